@@ -1,0 +1,454 @@
+// Exact budget projection on the CPU (SPEC.md section 1).
+//
+// The multiplier lam* is found by a histogram-refined bisection: each pass over
+// the data sorts every breakpoint (key2 = (t-1)/c and key1 = t/c) into one of B
+// buckets of the current bracket [lo, hi) and accumulates, per bucket, the sums
+// that define phi (prunopt/projection.h). A prefix scan over the buckets gives
+// phi exactly at every bucket boundary, so one pass narrows the bracket by a
+// factor B instead of 2. As soon as the bucket holding the sign change contains
+// no breakpoint, phi is a single linear piece there and its root is one
+// division: the result is the exact projection, not a bisection approximation.
+//
+// The first pass also validates the input (finite theta, positive finite cost)
+// and brackets optimistically with [0, 1], where lam* lies for scores that were
+// in [0, 1] before an optimizer step; on typical data two passes suffice, then
+// one pass writes clamp(t - lam* c, 0, 1). Passes run in parallel over fixed
+// chunks of all tensors at once (deterministic for a given thread count), reduce
+// in double and allocate nothing of size n.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "prunopt/checks.h"
+#include "prunopt/cpu_math.h"
+#include "prunopt/projection.h"
+
+namespace prunopt {
+namespace cpu {
+namespace {
+
+using projection::Delta;
+using projection::Piece;
+
+constexpr int64_t kGrain = 1 << 15;     // elements per chunk at least
+constexpr int64_t kMaxBuckets = 1 << 16;
+constexpr int kMaxLevels = 200;         // never reached: doubles run out first
+
+struct Segment {
+  const void* t;
+  const void* c;  // nullptr: unit cost
+  void* out;
+  int64_t n;
+  int64_t offset;  // start in the concatenated index space
+};
+
+// Per-chunk accumulators of one pass.
+struct ChunkAcc {
+  Piece at_lo;            // U and F at lam = lo
+  Piece at_zero;          // first pass only: U and F at lam = 0
+  std::vector<Delta> hist;
+  double max_key1 = -std::numeric_limits<double>::infinity();
+  bool bad_theta = false;
+  bool bad_cost = false;
+};
+
+// Calls f(segment, local_begin, local_end) for the parts of [begin, end).
+template <typename F>
+void for_each_piece(const std::vector<Segment>& segs, int64_t begin, int64_t end, F&& f) {
+  // segments are few (one per tensor); a linear scan is cheaper than a search
+  for (const auto& s : segs) {
+    const int64_t b = std::max(begin, s.offset);
+    const int64_t e = std::min(end, s.offset + s.n);
+    if (b < e) {
+      f(s, b - s.offset, e - s.offset);
+    }
+  }
+}
+
+int64_t num_chunks(int64_t total) {
+  const int64_t by_size = (total + kGrain - 1) / kGrain;
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_size));
+}
+
+// One pass: keys below `lo` go to acc.below, keys in [lo, hi) to bucket
+// floor((key - lo) * B / (hi - lo)), keys >= hi nowhere (still ahead of lam).
+// The first pass also validates, totals the costs, finds max key1 and sums
+// "below 0" (for the slack test phi(0) <= 0) into acc.below0.
+//
+// Each block of kBlock elements is read twice while it sits in L1: once by a
+// vectorised reduction (omp simd, which may reassociate the sums), once by the
+// scatter loop that only acts on the keys inside the bracket (a few percent
+// of them on the first pass, almost none later).
+constexpr int64_t kBlock = 2048;
+constexpr int kLanes = 4;
+
+// Lane-wise partial sums: kLanes independent accumulators per quantity, so
+// the adds do not form one long dependency chain.
+struct Lanes {
+  double u[kLanes] = {}, fct[kLanes] = {}, fcc[kLanes] = {};
+  double u0[kLanes] = {}, f0ct[kLanes] = {}, f0cc[kLanes] = {};
+  double maxk1[kLanes], bad_t[kLanes] = {}, bad_c[kLanes] = {};
+  Lanes() {
+    for (int l = 0; l < kLanes; ++l) {
+      maxk1[l] = -std::numeric_limits<double>::infinity();
+    }
+  }
+};
+
+// At lam: i is in U if key2 >= lam, in F if key2 < lam <= key1, else in L.
+template <typename scalar_t, bool kCost, bool kFirst>
+inline void reduce_one(const scalar_t* tp, const scalar_t* cp, int64_t i, double lo, Lanes& L, int l) {
+  using cpu_math::select_lt;
+  const double t = static_cast<double>(tp[i]);
+  const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
+  const double key1 = kCost ? t / c : t;
+  const double key2 = kCost ? (t - 1.0) / c : t - 1.0;
+  const double ct = c * t, cc = c * c;
+  L.u[l] += c - select_lt(key2, lo, c);
+  const double in_f = select_lt(key2, lo, 1.0) - select_lt(key1, lo, 1.0);  // 1 or 0
+  L.fct[l] += in_f * ct;
+  L.fcc[l] += in_f * cc;
+  if (kFirst) {
+    L.u0[l] += c - select_lt(key2, 0.0, c);
+    const double in_f0 = select_lt(key2, 0.0, 1.0) - select_lt(key1, 0.0, 1.0);
+    L.f0ct[l] += in_f0 * ct;
+    L.f0cc[l] += in_f0 * cc;
+    L.bad_t[l] += t - t;  // 0 for finite t, nan otherwise
+    if (kCost) {
+      L.bad_c[l] += (c - c) + select_lt(c, 0.0, 1.0) + static_cast<double>(c == 0.0);
+    }
+    L.maxk1[l] = cpu_math::maxd(L.maxk1[l], key1);
+  }
+}
+
+// One pass over all tensors: U and F at lam = lo, and the breakpoints inside
+// [lo, hi) sorted into `buckets` buckets of equal width. The first pass also
+// validates, finds max key1 and sums U and F at lam = 0 (the slack test).
+//
+// Each block of kBlock elements is read twice while it sits in L1: once by the
+// lane-wise reduction, once by the scatter loop that only acts on the keys
+// inside the bracket (a few percent of them on the first pass, almost none
+// later).
+template <typename scalar_t, bool kCost, bool kFirst>
+void level_pass(
+    const std::vector<Segment>& segs,
+    int64_t total,
+    double lo,
+    double hi,
+    int64_t buckets,
+    std::vector<ChunkAcc>& accs) {
+  const int64_t nchunks = static_cast<int64_t>(accs.size());
+  const double scale = static_cast<double>(buckets) / (hi - lo);
+  const double last = static_cast<double>(buckets - 1);
+  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      ChunkAcc& a = accs[ch];
+      a.hist.assign(buckets, Delta{});
+      Delta* hist = a.hist.data();
+      Lanes L;
+      for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
+          [&](const Segment& s, int64_t b, int64_t e) {
+        const scalar_t* tp = static_cast<const scalar_t*>(s.t);
+        const scalar_t* cp = static_cast<const scalar_t*>(s.c);
+        for (int64_t b0 = b; b0 < e; b0 += kBlock) {
+          const int64_t e0 = std::min(e, b0 + kBlock);
+          int64_t i = b0;
+          for (; i + kLanes <= e0; i += kLanes) {
+            for (int l = 0; l < kLanes; ++l) {
+              reduce_one<scalar_t, kCost, kFirst>(tp, cp, i + l, lo, L, l);
+            }
+          }
+          for (; i < e0; ++i) {
+            reduce_one<scalar_t, kCost, kFirst>(tp, cp, i, lo, L, 0);
+          }
+          for (i = b0; i < e0; ++i) {
+            const double t = static_cast<double>(tp[i]);
+            const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
+            const double key1 = kCost ? t / c : t;
+            const double key2 = kCost ? (t - 1.0) / c : t - 1.0;
+            if (key2 >= lo && key2 < hi) {
+              hist[static_cast<int64_t>(std::min((key2 - lo) * scale, last))].add2(t, c);
+            }
+            if (key1 >= lo && key1 < hi) {
+              hist[static_cast<int64_t>(std::min((key1 - lo) * scale, last))].add1(t, c);
+            }
+          }
+        }
+      });
+      Piece at_lo, at_zero;
+      double max_key1 = -std::numeric_limits<double>::infinity(), bad_t = 0, bad_c = 0;
+      for (int l = 0; l < kLanes; ++l) {
+        at_lo.merge(Piece{L.u[l], L.fct[l], L.fcc[l]});
+        at_zero.merge(Piece{L.u0[l], L.f0ct[l], L.f0cc[l]});
+        max_key1 = std::max(max_key1, L.maxk1[l]);
+        bad_t += L.bad_t[l];
+        bad_c += L.bad_c[l];
+      }
+      a.at_lo = at_lo;
+      if (kFirst) {
+        a.at_zero = at_zero;
+        a.max_key1 = max_key1;
+        a.bad_theta = !(bad_t == 0.0);  // nan-propagating
+        a.bad_cost = !(bad_c == 0.0);
+      }
+    }
+  });
+}
+
+// Merges the chunks into accs[0].
+void reduce_chunks(std::vector<ChunkAcc>& accs, int64_t buckets, bool first) {
+  ChunkAcc& r = accs[0];
+  for (size_t k = 1; k < accs.size(); ++k) {
+    const ChunkAcc& a = accs[k];
+    r.at_lo.merge(a.at_lo);
+    for (int64_t j = 0; j < buckets; ++j) {
+      r.hist[j].merge(a.hist[j]);
+    }
+    if (first) {
+      r.at_zero.merge(a.at_zero);
+      r.max_key1 = std::max(r.max_key1, a.max_key1);
+      r.bad_theta |= a.bad_theta;
+      r.bad_cost |= a.bad_cost;
+    }
+  }
+}
+
+int64_t buckets_for(int64_t keys) {
+  int64_t b = 16;
+  while (b < kMaxBuckets && b < 2 * keys) {
+    b *= 2;
+  }
+  return b;
+}
+
+// Brackets lam* from a strided sample of m elements: solve the sample's own
+// problem (budget scaled by m / n) by sorting its 2m breakpoints, then widen
+// by kMargin sample keys on each side. This only steers the first pass: a bad
+// guess costs one more pass, never accuracy.
+template <typename scalar_t, bool kCost>
+std::pair<double, double> sample_bracket(const std::vector<Segment>& segs, int64_t total, double budget) {
+  const int64_t m = std::min<int64_t>(total, 4096);
+  struct Key {
+    double key, t, c;
+    bool upper;  // key2: leaving U
+  };
+  std::vector<Key> keys;
+  keys.reserve(2 * m);
+  double sum_c = 0;
+  size_t seg = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    const int64_t g = (total / m) * k + (total % m) * k / m;  // spread over [0, total)
+    while (g >= segs[seg].offset + segs[seg].n) {
+      ++seg;
+    }
+    const int64_t i = g - segs[seg].offset;
+    const double t = static_cast<double>(static_cast<const scalar_t*>(segs[seg].t)[i]);
+    const double c = kCost ? static_cast<double>(static_cast<const scalar_t*>(segs[seg].c)[i]) : 1.0;
+    if (!std::isfinite(t) || !std::isfinite(c) || !(c > 0)) {
+      continue;  // the full pass reports it
+    }
+    keys.push_back(Key{(t - 1.0) / c, t, c, true});
+    keys.push_back(Key{t / c, t, c, false});
+    sum_c += c;
+  }
+  std::sort(keys.begin(), keys.end(), [](const Key& x, const Key& y) { return x.key < y.key; });
+  const double budget_s = budget * static_cast<double>(m) / static_cast<double>(total);
+  double s_u = sum_c, s_ct = 0, s_cc = 0;
+  const int64_t nk = static_cast<int64_t>(keys.size());
+  int64_t root = nk - 1;
+  for (int64_t k = 0; k < nk; ++k) {
+    const Key& x = keys[k];
+    if (x.upper) {
+      s_u -= x.c;
+      s_ct += x.c * x.t;
+      s_cc += x.c * x.c;
+    } else {
+      s_ct -= x.c * x.t;
+      s_cc -= x.c * x.c;
+    }
+    if (s_u + s_ct - x.key * s_cc - budget_s <= 0.0) {
+      root = k;
+      break;
+    }
+  }
+  if (nk == 0) {
+    return {0.0, 1.0};
+  }
+  const int64_t margin = 8 + static_cast<int64_t>(3.0 * std::sqrt(static_cast<double>(nk)));
+  double lo = std::max(0.0, keys[std::max<int64_t>(0, root - margin)].key);
+  double hi = keys[std::min<int64_t>(nk - 1, root + margin)].key;
+  if (!(hi > lo)) {
+    hi = lo + std::max(1.0, std::abs(lo));  // degenerate sample: any valid bracket
+  }
+  return {lo, hi};
+}
+
+template <typename scalar_t, bool kCost>
+double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budget, const char* op) {
+  std::vector<ChunkAcc> accs(num_chunks(total));
+  // Small inputs: a pass is cheaper than the sample; bracket [0, 1) instead.
+  auto [lo, hi] = total < (1 << 16) ? std::pair<double, double>{0.0, 1.0}
+                                    : sample_bracket<scalar_t, kCost>(segs, total, budget);
+  int64_t buckets = 4096;
+  level_pass<scalar_t, kCost, true>(segs, total, lo, hi, buckets, accs);
+  reduce_chunks(accs, buckets, /*first=*/true);
+  TORCH_CHECK_VALUE(!accs[0].bad_theta, op, ": theta contains a non-finite value");
+  TORCH_CHECK_VALUE(!accs[0].bad_cost, op, ": cost must be positive and finite everywhere");
+
+  if (projection::phi(accs[0].at_zero, 0.0, budget) <= 0.0) {
+    return 0.0;  // slack budget: theta* = clamp(t, 0, 1)
+  }
+  if (budget == 0.0) {
+    return std::numeric_limits<double>::infinity();  // all zeros
+  }
+  // Invariant: phi(known_lo) > 0 >= phi(known_hi); phi(max key1) = -S < 0.
+  double known_lo = 0.0, known_hi = accs[0].max_key1;
+  for (int level = 0; level < kMaxLevels; ++level) {
+    const ChunkAcc& r = accs[0];
+    Piece acc = r.at_lo;
+    bool narrowed = false;
+    if (projection::phi(acc, lo, budget) <= 0.0) {
+      known_hi = std::min(known_hi, lo);  // the bracket lies above the root
+    } else {
+      known_lo = std::max(known_lo, lo);
+      const double width = (hi - lo) / static_cast<double>(buckets);
+      double bucket_lo = lo;
+      for (int64_t j = 0; j < buckets; ++j) {
+        const double bucket_hi = (j + 1 == buckets) ? hi : lo + width * static_cast<double>(j + 1);
+        const Piece next = projection::cross(acc, r.hist[j]);
+        if (projection::phi(next, bucket_hi, budget) <= 0.0) {
+          const long long keys = r.hist[j].keys();
+          if (keys == 0 || !(bucket_hi > bucket_lo) || bucket_lo + width == bucket_lo) {
+            // one linear piece (or the bracket cannot shrink): exact root
+            const double lam = projection::piece_root(acc, budget, bucket_hi);
+            return std::min(std::max(lam, bucket_lo), bucket_hi);
+          }
+          known_lo = bucket_lo;
+          known_hi = std::min(bucket_hi, known_hi);
+          buckets = buckets_for(keys);
+          narrowed = true;
+          break;
+        }
+        acc = next;
+        bucket_lo = bucket_hi;
+      }
+      if (!narrowed) {
+        known_lo = std::max(known_lo, hi);  // the bracket lies below the root
+      }
+    }
+    if (!narrowed) {
+      buckets = 4096;
+    }
+    lo = known_lo;
+    hi = known_hi;
+    if (!(hi > lo)) {
+      return hi;
+    }
+    level_pass<scalar_t, kCost, false>(segs, total, lo, hi, buckets, accs);
+    reduce_chunks(accs, buckets, /*first=*/false);
+  }
+  return hi;
+}
+
+template <typename scalar_t, bool kCost>
+void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
+  const int64_t nchunks = num_chunks(total);
+  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
+          [&](const Segment& s, int64_t b, int64_t e) {
+            const scalar_t* tp = static_cast<const scalar_t*>(s.t);
+            const scalar_t* cp = static_cast<const scalar_t*>(s.c);
+            scalar_t* op = static_cast<scalar_t*>(s.out);
+            for (int64_t i = b; i < e; ++i) {
+              const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
+              op[i] = static_cast<scalar_t>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam * c));
+            }
+          });
+    }
+  });
+}
+
+// Projects `inputs` (contiguous) into `outputs` (contiguous, may alias inputs).
+void project_into(
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& costs,
+    const std::vector<at::Tensor>& outputs,
+    double budget,
+    const char* op) {
+  std::vector<Segment> segs;
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t n = inputs[i].numel();
+    if (n == 0) {
+      continue;
+    }
+    segs.push_back(Segment{inputs[i].data_ptr(), costs.empty() ? nullptr : costs[i].data_ptr(),
+        outputs[i].data_ptr(), n, total});
+    total += n;
+  }
+  if (total == 0) {
+    return;
+  }
+  const bool has_cost = !costs.empty();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "project_budget", [&] {
+    if (has_cost) {
+      apply<scalar_t, true>(segs, total, solve_lambda<scalar_t, true>(segs, total, budget, op));
+    } else {
+      apply<scalar_t, false>(segs, total, solve_lambda<scalar_t, false>(segs, total, budget, op));
+    }
+  });
+}
+
+std::vector<at::Tensor> contiguous_all(at::TensorList ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    out.push_back(t.contiguous());
+  }
+  return out;
+}
+
+std::vector<at::Tensor> project_budget_cpu(
+    at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
+  check_projection_args(theta, cost, budget, "project_budget");
+  auto inputs = contiguous_all(theta);
+  auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(inputs.size());
+  for (const auto& t : inputs) {
+    outputs.push_back(at::empty_like(t));
+  }
+  project_into(inputs, costs, outputs, budget, "project_budget");
+  return outputs;
+}
+
+void project_budget_inplace_cpu(
+    at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
+  check_projection_args(theta, cost, budget, "project_budget_");
+  auto inputs = contiguous_all(theta);  // aliases theta where already contiguous
+  auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
+  // Everything is validated inside project_into before the first write, so an
+  // error leaves theta untouched.
+  project_into(inputs, costs, inputs, budget, "project_budget_");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].is_same(theta[i])) {
+      theta[i].copy_(inputs[i]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace prunopt
+
+TORCH_LIBRARY_IMPL(prunopt, CPU, m) {
+  m.impl("project_budget", &prunopt::cpu::project_budget_cpu);
+  m.impl("project_budget_", &prunopt::cpu::project_budget_inplace_cpu);
+}

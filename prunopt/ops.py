@@ -1,0 +1,101 @@
+"""Typed Python wrappers over ``torch.ops.prunopt.*``.
+
+Each wrapper validates its arguments (``TypeError``/``ValueError`` naming the
+argument), then calls the fused kernel of the extension when it is loaded and
+the pure-PyTorch reference (``prunopt.reference``) otherwise. Fake (meta)
+kernels are registered here so that every op traces under ``torch.compile``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from prunopt._extension import extension_available
+from prunopt.reference.projection import project_budget_reference, validate_projection_args
+
+TensorOrList = Union[Tensor, Sequence[Tensor]]
+
+__all__ = ["project_budget", "project_budget_"]
+
+
+def _kernel_devices(op: str) -> frozenset:
+    """Device types with a compiled kernel for ``prunopt::op`` (fixed at import,
+    so the check is a constant under torch.compile)."""
+    if not extension_available():
+        return frozenset()
+    keys = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
+    return frozenset(
+        d for d, k in keys.items() if d == "meta" or torch._C._dispatch_has_kernel_for_dispatch_key(f"prunopt::{op}", k)
+    )
+
+
+_PROJECTION_DEVICES = _kernel_devices("project_budget")
+
+
+def _use_kernel(tensors: List[Tensor], devices: frozenset = _PROJECTION_DEVICES) -> bool:
+    return bool(tensors) and tensors[0].device.type in devices
+
+
+def project_budget(theta: TensorOrList, budget: float, cost: Optional[TensorOrList] = None):
+    r"""Exact Euclidean projection onto the budget set (SPEC.md §1, ProM supplement eq. 9-17).
+
+    .. math::
+        \theta^* = \arg\min_x \|x - \theta\|^2 \;\; \text{s.t.}\;\; 0 \le x_i \le 1,\;
+        \textstyle\sum_i c_i x_i \le S, \qquad
+        \theta^* = \mathrm{clamp}(\theta - \lambda^* c, 0, 1)
+
+    with :math:`\lambda^* = \max(0, \lambda_1)` the root of the non-increasing
+    :math:`\phi(\lambda) = \sum_i c_i\,\mathrm{clamp}(\theta_i - \lambda c_i, 0, 1) - S`
+    (eq. 14). The result is exact to rounding (not a bisection approximation).
+
+    Args:
+        theta: a tensor of any shape, or a list of tensors projected jointly under
+            one budget (no concatenated copy is made). float32/float64; float16 and
+            bfloat16 are computed in double and rounded back.
+        budget: ``S >= 0``. ``S = 0`` gives all zeros.
+        cost: optional positive costs ``c`` with the shape(s) of ``theta``
+            (default all ones, so the budget counts elements).
+
+    Returns:
+        A new tensor (or list) with the projected values.
+
+    Raises:
+        TypeError: ``theta``/``cost`` not tensors, ``budget`` not a number.
+        ValueError: negative or non-finite budget, non-finite scores, non-positive
+            costs, mismatched shapes, dtypes or devices.
+    """
+    thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    if _use_kernel(thetas):
+        out = torch.ops.prunopt.project_budget(thetas, costs, budget)
+        return out[0] if single else list(out)
+    return project_budget_reference(thetas[0] if single else thetas, budget, costs[0] if (single and costs) else costs)
+
+
+def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrList] = None):
+    r"""In-place :func:`project_budget`: overwrites ``theta`` with its projection.
+
+    Validation (including finiteness of the data) happens before anything is
+    written, so on error ``theta`` is unchanged. Returns ``theta``.
+    """
+    thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    if _use_kernel(thetas):
+        torch.ops.prunopt.project_budget_(thetas, costs, budget)
+    else:
+        outs = project_budget_reference(thetas, budget, costs)
+        with torch.no_grad():
+            for t, o in zip(thetas, outs):
+                t.copy_(o)
+    return theta
+
+
+if extension_available():
+
+    @torch.library.register_fake("prunopt::project_budget")
+    def _project_budget_fake(theta, cost, budget):
+        return [torch.empty_like(t) for t in theta]
+
+    @torch.library.register_fake("prunopt::project_budget_")
+    def _project_budget_inplace_fake(theta, cost, budget):
+        return None

@@ -1,0 +1,9 @@
+"""Readable pure-PyTorch versions of every prunopt op: the oracles the fused
+kernels are tested against, and the fallback when the extension is missing."""
+from prunopt.reference.projection import (
+    project_budget_reference,
+    project_budget_sort,
+    projection_phi,
+)
+
+__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]

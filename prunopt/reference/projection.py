@@ -1,0 +1,195 @@
+"""Reference budget projection (SPEC.md section 1; ProM supplement A.2).
+
+Solves, for scores ``t``, positive costs ``c`` and a budget ``S >= 0``::
+
+    theta* = argmin ||theta - t||^2  s.t.  0 <= theta_i <= 1,  sum_i c_i theta_i <= S
+           = clamp(t - lam* c, 0, 1),   lam* = max(0, lam1),   phi(lam1) = 0       (eq. 15-17)
+    phi(lam) = sum_i c_i clamp(t_i - lam c_i, 0, 1) - S                             (eq. 14)
+
+Two independent solvers live here:
+
+* :func:`project_budget_reference`: bisection on ``phi`` with, at every step, the
+  exact root of the linear piece that contains the midpoint; it stops as soon as
+  that root lies on the same piece (the free set is stable). Readable, float64,
+  one host synchronisation per iteration. It is the fallback when the extension
+  is missing.
+* :func:`project_budget_sort`: sorts all ``2n`` breakpoints and walks the pieces;
+  the "exact" solution the kernels are tested against.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+TensorOrList = Union[Tensor, Sequence[Tensor]]
+
+__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi", "validate_projection_args"]
+
+
+def _as_list(theta: TensorOrList, name: str = "theta") -> Tuple[List[Tensor], bool]:
+    if isinstance(theta, Tensor):
+        return [theta], True
+    if isinstance(theta, (list, tuple)) and all(isinstance(t, Tensor) for t in theta):
+        return list(theta), False
+    raise TypeError(f"{name} must be a Tensor or a list/tuple of Tensors, got {type(theta).__name__}")
+
+
+def validate_projection_args(theta: TensorOrList, budget, cost: Optional[TensorOrList]):
+    """Checks and normalises the arguments of the projection ops.
+
+    Returns ``(theta_list, cost_list_or_None, budget_float, theta_was_tensor)``.
+    Type problems raise ``TypeError``; bad values raise ``ValueError``. Both name
+    the argument. Value checks that need the data (finiteness, positive costs)
+    are done by the solvers, before anything is written.
+    """
+    thetas, single = _as_list(theta, "theta")
+    if isinstance(budget, Tensor):
+        if budget.numel() != 1:
+            raise ValueError(f"budget must be a number or a one-element tensor, got shape {tuple(budget.shape)}")
+        budget = budget.item()
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a real number, got {type(budget).__name__}")
+    budget = float(budget)
+    if not math.isfinite(budget) or budget < 0:
+        raise ValueError(f"budget must be a finite number >= 0, got {budget}")
+    costs = None
+    if cost is not None:
+        costs, _ = _as_list(cost, "cost")
+        if len(costs) != len(thetas):
+            raise ValueError(f"cost must have as many tensors as theta ({len(thetas)}), got {len(costs)}")
+    for i, t in enumerate(thetas):
+        if not t.is_floating_point() or t.is_complex():
+            raise ValueError(f"theta[{i}] must be a real floating tensor, got {t.dtype}")
+        if t.dtype != thetas[0].dtype:
+            raise ValueError(f"all theta tensors must share one dtype, theta[{i}] is {t.dtype} but theta[0] is {thetas[0].dtype}")
+        if t.device != thetas[0].device:
+            raise ValueError(f"all theta tensors must be on one device, theta[{i}] is on {t.device} but theta[0] is on {thetas[0].device}")
+        if costs is not None:
+            c = costs[i]
+            if c.shape != t.shape:
+                raise ValueError(f"cost[{i}] must have the shape of theta[{i}] {tuple(t.shape)}, got {tuple(c.shape)}")
+            if c.dtype != t.dtype:
+                raise ValueError(f"cost[{i}] must have the dtype of theta ({t.dtype}), got {c.dtype}")
+            if c.device != t.device:
+                raise ValueError(f"cost[{i}] must be on the device of theta ({t.device}), got {c.device}")
+    return thetas, costs, budget, single
+
+
+def _flatten(thetas: List[Tensor], costs: Optional[List[Tensor]]) -> Tuple[Tensor, Tensor]:
+    device = thetas[0].device if thetas else torch.device("cpu")
+    t = torch.cat([x.detach().reshape(-1).double() for x in thetas]) if thetas else torch.zeros(0, dtype=torch.float64)
+    if costs is None:
+        c = torch.ones_like(t)
+    else:
+        c = torch.cat([x.detach().reshape(-1).double() for x in costs])
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("project_budget: theta contains a non-finite value")
+    if c.numel() and not bool(((c > 0) & torch.isfinite(c)).all()):
+        raise ValueError("project_budget: cost must be positive and finite everywhere")
+    return t.to(device), c.to(device)
+
+
+def projection_phi(t: Tensor, c: Tensor, lam: float, budget: float) -> Tensor:
+    """phi(lam) = sum_i c_i clamp(t_i - lam c_i, 0, 1) - S (supplement eq. 14)."""
+    return (c * (t - lam * c).clamp(0, 1)).sum() - budget
+
+
+def _piece(t: Tensor, c: Tensor, lam: float) -> Tuple[Tensor, Tensor]:
+    v = t - lam * c
+    upper = v >= 1
+    free = (v > 0) & (v < 1)
+    return upper, free
+
+
+def _piece_root(t: Tensor, c: Tensor, upper: Tensor, free: Tensor, budget: float) -> float:
+    # phi is linear on a piece: sum_U c + sum_F c t - lam sum_F c^2 - S = 0
+    denom = (c[free] ** 2).sum().item()
+    if denom <= 0:
+        return math.nan
+    return ((c[upper].sum() + (c[free] * t[free]).sum()).item() - budget) / denom
+
+
+def _solve_lambda_bisection(t: Tensor, c: Tensor, budget: float) -> float:
+    if t.numel() == 0 or projection_phi(t, c, 0.0, budget).item() <= 0:
+        return 0.0  # slack budget
+    if budget == 0:
+        return math.inf  # every score goes to zero
+    lo, hi = 0.0, (t / c).max().item()  # phi(lo) > 0 >= phi(hi) = -S
+    while True:
+        lam = 0.5 * (lo + hi)
+        if not (lo < lam < hi):  # the bracket is down to adjacent doubles
+            return hi
+        upper, free = _piece(t, c, lam)
+        root = _piece_root(t, c, upper, free, budget)
+        if lo <= root <= hi:
+            upper_r, free_r = _piece(t, c, root)
+            if torch.equal(upper, upper_r) and torch.equal(free, free_r):
+                return root  # the free set is stable: exact root
+        if projection_phi(t, c, lam, budget).item() > 0:
+            lo = lam
+        else:
+            hi = lam
+
+
+def _solve_lambda_sort(t: Tensor, c: Tensor, budget: float) -> float:
+    if t.numel() == 0 or projection_phi(t, c, 0.0, budget).item() <= 0:
+        return 0.0
+    if budget == 0:
+        return math.inf
+    # Crossing key2 = (t-1)/c upwards moves i from U to F; crossing key1 = t/c
+    # moves it from F to L. Changes of (sum_U c, sum_F c t, sum_F c^2):
+    keys = torch.cat([(t - 1) / c, t / c])
+    d_u = torch.cat([-c, torch.zeros_like(c)])
+    d_ct = torch.cat([c * t, -c * t])
+    d_cc = torch.cat([c * c, -c * c])
+    keys, order = torch.sort(keys, stable=True)
+    s_u = c.sum() + torch.cumsum(d_u[order], 0)
+    s_ct = torch.cumsum(d_ct[order], 0)
+    s_cc = torch.cumsum(d_cc[order], 0)
+    # phi just after breakpoint k (on the piece [keys[k], keys[k+1]])
+    phi_after = s_u + s_ct - keys * s_cc - budget
+    # first breakpoint >= 0 after which phi <= 0: the root lies on the piece before
+    k = int(torch.nonzero((phi_after <= 0) & (keys >= 0))[0].item())
+    lo = max(0.0, keys[k - 1].item()) if k > 0 else 0.0
+    hi = keys[k].item()
+    if not hi > lo:
+        return hi
+    # The root lies on the piece (lo, hi). Its sums are recomputed directly
+    # (pairwise-summed) rather than taken from the running cumsums, which would
+    # carry the rounding of every earlier breakpoint.
+    upper, free = _piece(t, c, 0.5 * (lo + hi))
+    lam = _piece_root(t, c, upper, free, budget)
+    if math.isnan(lam):
+        return hi
+    return min(max(lam, lo), hi)
+
+
+def _finish(thetas, costs, lam, single):
+    outs = []
+    for i, x in enumerate(thetas):
+        cx = 1.0 if costs is None else costs[i].double()
+        y = (x.detach().double() - lam * cx).clamp(0, 1) if math.isfinite(lam) else torch.zeros_like(x, dtype=torch.float64)
+        outs.append(y.to(x.dtype))
+    return outs[0] if single else outs
+
+
+def project_budget_reference(theta: TensorOrList, budget, cost: Optional[TensorOrList] = None):
+    """Exact projection onto ``{0 <= theta <= 1, sum(cost * theta) <= budget}``.
+
+    Bisection with a linear solve on the free set (SPEC.md section 1). Accepts a
+    tensor or a list projected jointly under one budget; returns the same kind.
+    Computes in float64 and returns the input dtype.
+    """
+    thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    t, c = _flatten(thetas, costs)
+    return _finish(thetas, costs, _solve_lambda_bisection(t, c, budget), single)
+
+
+def project_budget_sort(theta: TensorOrList, budget, cost: Optional[TensorOrList] = None):
+    """Exact projection by sorting all breakpoints (the test oracle; float64)."""
+    thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    t, c = _flatten(thetas, costs)
+    return _finish(thetas, costs, _solve_lambda_sort(t, c, budget), single)

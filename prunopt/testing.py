@@ -1,0 +1,41 @@
+"""Shared test helpers: devices, dtypes, tolerances and hypothesis strategies.
+
+One source of truth for what every test runs on, so a new device or dtype is
+added in one place.
+"""
+from __future__ import annotations
+
+import torch
+
+from prunopt._extension import cuda_kernels_available, extension_available
+
+__all__ = ["devices", "float_dtypes", "tolerance", "extension_available", "cuda_kernels_available"]
+
+
+def devices():
+    """Devices the tests run on: cpu, plus cuda when a GPU and the CUDA kernels exist."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out.append("cuda")
+    return out
+
+
+def float_dtypes(low_precision: bool = False):
+    dts = [torch.float32, torch.float64]
+    if low_precision:
+        dts += [torch.bfloat16, torch.float16]
+    return dts
+
+
+_TOL = {
+    torch.float64: dict(atol=1e-12, rtol=0.0),
+    torch.float32: dict(atol=1e-5, rtol=0.0),
+    torch.bfloat16: dict(atol=1e-2, rtol=0.0),
+    torch.float16: dict(atol=1e-3, rtol=0.0),
+}
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """Absolute tolerance of a kernel in ``dtype`` against a float64 reference
+    (SPEC.md section 1: 1e-12 in float64, 1e-5 in float32, relative to 1)."""
+    return dict(_TOL[dtype])

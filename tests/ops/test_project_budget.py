@@ -1,0 +1,214 @@
+"""prunopt.ops.project_budget: kernel vs float64 sort-based oracle (SPEC.md §1)."""
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, strategies as st
+
+import prunopt
+from prunopt.ops import project_budget, project_budget_
+from prunopt.reference import project_budget_reference, project_budget_sort
+from prunopt.testing import devices, float_dtypes, tolerance
+
+needs_ext = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
+
+
+def _check_kkt(x, t, c, S, atol):
+    """theta* is feasible and satisfies the optimality conditions."""
+    x, t, c = x.double(), t.double(), c.double()
+    if x.numel() == 0:
+        return
+    assert x.min() >= 0 and x.max() <= 1
+    assert (c * x).sum() <= S + atol * c.sum() + 1e-9
+
+
+@st.composite
+def projection_case(draw):
+    n = draw(st.sampled_from([0, 1, 2, 3, 7, 64, 257, 1000, 4097]))
+    shape = draw(st.sampled_from(["flat", "2d", "noncontig"]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.5, 1.0, 3.0, 100.0]))
+    shift = draw(st.sampled_from([-0.5, 0.0, 0.25]))
+    density = draw(st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0, 2.0]))
+    with_cost = draw(st.booleans())
+    ties = draw(st.booleans())
+    return n, shape, dtype, seed, scale, shift, density, with_cost, ties
+
+
+def _make(n, shape, dtype, seed, scale, shift, with_cost, ties):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(max(n, 0), generator=g, dtype=torch.float64) * scale + shift
+    if ties and n > 0:
+        t = (t * 4).round() / 4  # many equal scores and breakpoints
+    c = torch.rand(max(n, 0), generator=g, dtype=torch.float64) * 2 + 0.05 if with_cost else None
+    t = t.to(dtype)
+    c = None if c is None else c.to(dtype)
+    if shape == "2d" and n > 0:
+        t = t.reshape(1, n)
+        c = None if c is None else c.reshape(1, n)
+    elif shape == "noncontig":
+        t = torch.stack([t, t + 1], dim=1)[:, 0]  # stride 2
+        if c is not None:
+            c = torch.stack([c, c], dim=1)[:, 1]
+        assert n <= 1 or not t.is_contiguous()
+    return t, c
+
+
+@given(projection_case())
+@example((4097, "flat", torch.float32, 0, 1.0, 0.0, 0.1, False, False))
+@example((1000, "noncontig", torch.float64, 1, 3.0, -0.5, 0.5, True, True))
+@example((3, "flat", torch.float64, 2, 0.5, 0.0, 0.0, False, False))
+def test_matches_sort_oracle(case):
+    n, shape, dtype, seed, scale, shift, density, with_cost, ties = case
+    t, c = _make(n, shape, dtype, seed, scale, shift, with_cost, ties)
+    S = density * (n if c is None else float(c.double().sum()))
+    exact = project_budget_sort(t.double(), S, None if c is None else c.double())
+    out = project_budget(t, S, c)
+    assert out.dtype == t.dtype and out.shape == t.shape
+    # SPEC.md §1 bounds hold for scores of order one; with scores of order
+    # `scale` the rounding of the multiplier grows with it (docs/projection.md).
+    tol = tolerance(dtype)
+    tol["atol"] *= max(1.0, scale / (1.0 if c is None else 0.05))
+    torch.testing.assert_close(out.double(), exact, **tol)
+    ref = project_budget_reference(t, S, c)
+    torch.testing.assert_close(ref.double(), exact, **tol)
+    _check_kkt(out, t, torch.ones_like(t) if c is None else c, S, tolerance(dtype)["atol"])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", float_dtypes())
+@pytest.mark.parametrize("n", [1, 100, 200_000])
+def test_exactness_bounds(device, dtype, n):
+    # SPEC.md §1: <= 1e-12 in float64, <= 1e-5 in float32 against the sort solution
+    g = torch.Generator().manual_seed(n)
+    t = (torch.randn(n, generator=g, dtype=torch.float64) * 0.4 + 0.5).to(dtype)
+    S = 0.1 * n
+    exact = project_budget_sort(t.double(), S)
+    out = project_budget(t.to(device), S).cpu()
+    err = (out.double() - exact).abs().max().item()
+    assert err <= (1e-12 if dtype == torch.float64 else 1e-5)
+    if n > 10:
+        # the budget is active and met exactly
+        assert abs(exact.sum().item() - S) <= 1e-6 * S
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision(dtype):
+    t = torch.rand(1000, dtype=torch.float64)
+    out = project_budget(t.to(dtype), 100.0)
+    assert out.dtype == dtype
+    # computed in high precision from the rounded input, then rounded once
+    exact = project_budget_sort(t.to(dtype).double(), 100.0)
+    torch.testing.assert_close(out.double(), exact.to(dtype).double(), atol=0, rtol=0)
+
+
+def test_list_equals_concatenation():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.rand(s, generator=g) * 1.2 for s in [(3, 5), (0,), (1,), (4097,), (7, 11)]]
+    cs = [torch.rand(t.shape, generator=g) + 0.1 for t in ts]
+    flat_t = torch.cat([t.reshape(-1) for t in ts])
+    flat_c = torch.cat([c.reshape(-1) for c in cs])
+    for cost, flat_cost in [(None, None), (cs, flat_c)]:
+        S = 0.2 * flat_t.numel()
+        outs = project_budget(ts, S, cost)
+        assert isinstance(outs, list) and [o.shape for o in outs] == [t.shape for t in ts]
+        flat = project_budget(flat_t, S, flat_cost)
+        torch.testing.assert_close(torch.cat([o.reshape(-1) for o in outs]), flat, atol=1e-6, rtol=0)
+
+
+def test_inplace_and_noncontiguous_inplace():
+    t = torch.rand(50, 40, dtype=torch.float64) * 2 - 0.3
+    view = t.t()  # non-contiguous
+    expected = project_budget_sort(view.clone(), 300.0)
+    ret = project_budget_(view, 300.0)
+    assert ret is view
+    torch.testing.assert_close(view, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(t.t(), expected, atol=1e-12, rtol=0)
+
+
+def test_special_budgets():
+    t = torch.tensor([0.2, 1.5, -0.3, 0.7])
+    # slack: plain clamp
+    torch.testing.assert_close(project_budget(t, 100.0), t.clamp(0, 1))
+    # zero budget: all zeros
+    assert torch.equal(project_budget(t, 0.0), torch.zeros(4))
+    # empty input
+    assert project_budget(torch.zeros(0), 1.0).numel() == 0
+    assert project_budget([], 1.0) == []
+    # integer budget and a 1-element tensor budget are accepted
+    torch.testing.assert_close(project_budget(t, 1), project_budget(t, torch.tensor(1.0)))
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.rand(3), -1.0), ValueError, "budget"),
+        ((torch.rand(3), math.inf), ValueError, "budget"),
+        ((torch.rand(3), math.nan), ValueError, "budget"),
+        ((torch.rand(3), "1"), TypeError, "budget"),
+        (("x", 1.0), TypeError, "theta"),
+        ((torch.tensor([0.1, math.nan]), 1.0), ValueError, "theta"),
+        ((torch.tensor([0.1, math.inf]), 1.0), ValueError, "theta"),
+        ((torch.arange(3), 1.0), ValueError, "theta"),
+        ((torch.rand(3), 1.0, torch.rand(4)), ValueError, "cost"),
+        ((torch.rand(3), 1.0, torch.tensor([1.0, 0.0, 1.0])), ValueError, "cost"),
+        ((torch.rand(3), 1.0, torch.tensor([1.0, -2.0, 1.0])), ValueError, "cost"),
+        ((torch.rand(3), 1.0, torch.rand(3, dtype=torch.float64)), ValueError, "cost"),
+        (([torch.rand(3), torch.rand(3, dtype=torch.float64)], 1.0), ValueError, "theta"),
+        (([torch.rand(3)], 1.0, [torch.rand(3), torch.rand(3)]), ValueError, "cost"),
+    ],
+)
+def test_errors_name_the_argument(args, exc, match):
+    for fn in (project_budget, project_budget_, project_budget_reference):
+        with pytest.raises(exc, match=match):
+            fn(*args)
+
+
+def test_error_leaves_input_untouched():
+    t = torch.tensor([0.5, 2.0, math.nan, 0.3])
+    before = t.clone()
+    with pytest.raises(ValueError):
+        project_budget_(t, 1.0)
+    assert torch.equal(t.isnan(), before.isnan()) and torch.equal(t.nan_to_num(), before.nan_to_num())
+    # a bad tensor later in the list must not leave earlier ones modified
+    a, b = torch.rand(10) * 3, torch.tensor([1.0, math.inf])
+    a0 = a.clone()
+    with pytest.raises(ValueError):
+        project_budget_([a, b], 1.0)
+    assert torch.equal(a, a0)
+
+
+@needs_ext
+def test_raw_op_errors_are_value_errors():
+    with pytest.raises(ValueError, match="budget"):
+        torch.ops.prunopt.project_budget([torch.rand(3)], None, -1.0)
+    with pytest.raises(ValueError, match="theta"):
+        torch.ops.prunopt.project_budget([torch.tensor([math.nan])], None, 1.0)
+
+
+@needs_ext
+@pytest.mark.parametrize("cost", [False, True])
+def test_opcheck(cost):
+    ts = [torch.rand(5, 3, dtype=torch.float64) * 2, torch.rand(7, dtype=torch.float64)]
+    cs = [torch.rand_like(t) + 0.5 for t in ts] if cost else None
+    torch.library.opcheck(torch.ops.prunopt.project_budget.default, (ts, cs, 4.0))
+    torch.library.opcheck(torch.ops.prunopt.project_budget_.default, ([t.clone() for t in ts], cs, 4.0))
+
+
+def test_torch_compile():
+    def step(theta, budget):
+        theta = theta * 1.1 + 0.01
+        return project_budget(theta, budget)
+
+    compiled = torch.compile(step, fullgraph=prunopt.extension_available(), backend="inductor")
+    t = torch.rand(1000, dtype=torch.float64)
+    torch.testing.assert_close(compiled(t, 100.0), step(t, 100.0), atol=1e-12, rtol=0)
+
+
+def test_reference_bisection_reaches_exact_piece():
+    # pathological: huge spread of scores, a budget far from both ends
+    t = torch.cat([torch.tensor([1e6, -1e6]), torch.rand(997, dtype=torch.float64) * 1e-3])
+    exact = project_budget_sort(t, 1.5)
+    torch.testing.assert_close(project_budget(t, 1.5), exact, atol=1e-12, rtol=0)
+    torch.testing.assert_close(project_budget_reference(t, 1.5), exact, atol=1e-12, rtol=0)
