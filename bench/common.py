@@ -1,0 +1,78 @@
+"""Shared helpers of the microbenchmarks: timing with torch.utils.benchmark,
+the environment record, and the JSON + markdown writers.
+
+Every benchmark verifies its results before it times them, times each
+contender in the same process, and reports medians and ratios.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.utils import benchmark
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(threads: int) -> Dict[str, object]:
+    import prunopt
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "prunopt_extension": prunopt.extension_available(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return env
+
+
+def median_time(fn: Callable[[], object], min_run_time: float = 1.0, threads: int = 2, device: str = "cpu") -> float:
+    """Median seconds per call of ``fn`` (torch.utils.benchmark, blocked autorange;
+    CUDA calls are synchronised by the Timer)."""
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def write_results(name: str, rows: List[Dict[str, object]], env: Dict[str, object], notes: str = "",
+                  out_dir: Optional[str] = None, columns: Optional[List[str]] = None) -> str:
+    """Writes ``<name>.json`` and ``<name>.md`` into ``out_dir`` (default bench/results)."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"benchmark": name, "environment": env, "rows": rows, "notes": notes}, f, indent=2)
+    columns = columns or list(rows[0].keys()) if rows else []
+    lines = [f"# {name}", "", notes, "", "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,1 @@
+"""``prunopt train --method probmask`` (filled in with the ProbMask job)."""
