@@ -8,6 +8,8 @@ missing extension an ``ImportError`` (CI does).
 import os
 import warnings
 
+import torch  # noqa: F401  (loads libtorch/libc10, which prunopt._C links against)
+
 _AVAILABLE = False
 _ERROR = None
 
@@ -40,8 +42,6 @@ def cuda_kernels_available() -> bool:
     """True if the extension was compiled with its CUDA kernels."""
     if not _AVAILABLE:
         return False
-    import torch
-
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key("prunopt::project_budget", "CUDA")
     except Exception:  # pragma: no cover
