@@ -23,10 +23,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "prunopt/checks.h"
 #include "prunopt/cpu_math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include "prunopt/projection.h"
 
 namespace prunopt {
@@ -127,6 +132,137 @@ inline void reduce_one(const scalar_t* tp, const scalar_t* cp, int64_t i, double
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PRUNOPT_HAVE_AVX2_PATH 1
+// ---------------------------------------------------------------------------
+// AVX2 fast path: float32 scores with unit costs (the common case). Sets are
+// decided by float comparisons against thresholds rounded *up* to float, which
+// for float scores is the same as comparing in double: t >= ceil_f(x) <=> t >= x.
+// Sums are accumulated in double lanes (cvtps2pd), as in the scalar path.
+
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// Smallest float >= x (x finite or +-inf).
+inline float ceil_to_float(double x) {
+  float f = static_cast<float>(x);
+  if (static_cast<double>(f) < x) {
+    f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  }
+  return f;
+}
+
+struct FastAcc {
+  double u = 0, fct = 0, fcc = 0;      // at lo
+  double u0 = 0, f0ct = 0, f0cc = 0;   // at 0 (first pass)
+  float maxk1 = -std::numeric_limits<float>::infinity();
+  bool bad = false;
+};
+
+__attribute__((target("avx2,fma"))) inline double hsum(__m256d v) {
+  __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
+  lo = _mm_add_pd(lo, hi);
+  return _mm_cvtsd_f64(_mm_add_sd(lo, _mm_unpackhi_pd(lo, lo)));
+}
+
+// Adds a float vector to two double accumulators.
+__attribute__((target("avx2,fma"))) inline void add_ps(__m256d& a0, __m256d& a1, __m256 x) {
+  a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+  a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+}
+
+// One block [b, e) of a float tensor; `scatter(i)` handles an element with a
+// key inside the bracket.
+template <bool kFirst, typename Scatter>
+__attribute__((target("avx2,fma"))) void fast_block(const float* tp, int64_t b, int64_t e, double lo, double hi,
+    FastAcc& acc, Scatter&& scatter) {
+  const __m256 A = _mm256_set1_ps(ceil_to_float(lo));         // key1 >= lo
+  const __m256 B = _mm256_set1_ps(ceil_to_float(lo + 1.0));   // key2 >= lo
+  const __m256 H1 = _mm256_set1_ps(ceil_to_float(hi));        // key1 < hi
+  const __m256 H2 = _mm256_set1_ps(ceil_to_float(hi + 1.0));  // key2 < hi
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  __m256d u0 = _mm256_setzero_pd(), u1 = u0, f0 = u0, f1 = u0, c0 = u0, c1 = u0;
+  __m256d z_u0 = u0, z_u1 = u0, z_f0 = u0, z_f1 = u0, z_c0 = u0, z_c1 = u0;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vbad = zero;
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256 x = _mm256_loadu_ps(tp + i);
+    const __m256 in_u = _mm256_cmp_ps(x, B, _CMP_GE_OQ);
+    const __m256 in_f = _mm256_andnot_ps(in_u, _mm256_cmp_ps(x, A, _CMP_GE_OQ));
+    add_ps(u0, u1, _mm256_and_ps(in_u, one));
+    add_ps(f0, f1, _mm256_and_ps(in_f, x));
+    add_ps(c0, c1, _mm256_and_ps(in_f, one));
+    if (kFirst) {
+      const __m256 zu = _mm256_cmp_ps(x, one, _CMP_GE_OQ);
+      const __m256 zf = _mm256_andnot_ps(zu, _mm256_cmp_ps(x, zero, _CMP_GE_OQ));
+      add_ps(z_u0, z_u1, _mm256_and_ps(zu, one));
+      add_ps(z_f0, z_f1, _mm256_and_ps(zf, x));
+      add_ps(z_c0, z_c1, _mm256_and_ps(zf, one));
+      vmax = _mm256_max_ps(vmax, x);
+      vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ));  // inf or nan
+    }
+    const __m256 k1 = _mm256_and_ps(_mm256_cmp_ps(x, A, _CMP_GE_OQ), _mm256_cmp_ps(x, H1, _CMP_LT_OQ));
+    const __m256 k2 = _mm256_and_ps(in_u, _mm256_cmp_ps(x, H2, _CMP_LT_OQ));
+    int bits = _mm256_movemask_ps(_mm256_or_ps(k1, k2));
+    while (bits) {
+      const int l = __builtin_ctz(bits);
+      bits &= bits - 1;
+      scatter(i + l);
+    }
+  }
+  FastAcc tail;
+  for (; i < e; ++i) {  // the last < 8 elements, in double
+    const double t = tp[i];
+    if (t - 1.0 >= lo) {
+      tail.u += 1;
+    } else if (t >= lo) {
+      tail.fct += t;
+      tail.fcc += 1;
+    }
+    if (kFirst) {
+      if (t >= 1.0) tail.u0 += 1; else if (t >= 0.0) { tail.f0ct += t; tail.f0cc += 1; }
+      tail.maxk1 = std::max(tail.maxk1, tp[i]);
+      tail.bad |= !std::isfinite(t);
+    }
+    if ((t - 1.0 >= lo && t - 1.0 < hi) || (t >= lo && t < hi)) {
+      scatter(i);
+    }
+  }
+  acc.u += hsum(_mm256_add_pd(u0, u1)) + tail.u;
+  acc.fct += hsum(_mm256_add_pd(f0, f1)) + tail.fct;
+  acc.fcc += hsum(_mm256_add_pd(c0, c1)) + tail.fcc;
+  if (kFirst) {
+    acc.u0 += hsum(_mm256_add_pd(z_u0, z_u1)) + tail.u0;
+    acc.f0ct += hsum(_mm256_add_pd(z_f0, z_f1)) + tail.f0ct;
+    acc.f0cc += hsum(_mm256_add_pd(z_c0, z_c1)) + tail.f0cc;
+    float m[8];
+    _mm256_storeu_ps(m, vmax);
+    for (float v : m) acc.maxk1 = std::max(acc.maxk1, v);
+    acc.maxk1 = std::max(acc.maxk1, tail.maxk1);
+    acc.bad |= _mm256_movemask_ps(vbad) != 0 || tail.bad;
+  }
+}
+
+__attribute__((target("avx2,fma"))) void fast_apply(const float* tp, float* op, int64_t b, int64_t e, double lam) {
+  const __m256d L = _mm256_set1_pd(lam), Z = _mm256_setzero_pd(), O = _mm256_set1_pd(1.0);
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256 x = _mm256_loadu_ps(tp + i);
+    __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d c = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    a = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(a, L), Z), O);
+    c = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(c, L), Z), O);
+    _mm256_storeu_ps(op + i, _mm256_set_m128(_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(a)));
+  }
+  for (; i < e; ++i) {
+    op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
+  }
+}
+#endif  // x86-64 GCC/Clang
+
 // One pass over all tensors: U and F at lam = lo, and the breakpoints inside
 // [lo, hi) sorted into `buckets` buckets of equal width. The first pass also
 // validates, finds max key1 and sums U and F at lam = 0 (the slack test).
@@ -152,10 +288,29 @@ void level_pass(
       a.hist.assign(buckets, Delta{});
       Delta* hist = a.hist.data();
       Lanes L;
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+      FastAcc fast;
+#endif
       for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
           [&](const Segment& s, int64_t b, int64_t e) {
         const scalar_t* tp = static_cast<const scalar_t*>(s.t);
         const scalar_t* cp = static_cast<const scalar_t*>(s.c);
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+        if constexpr (std::is_same_v<scalar_t, float> && !kCost) {
+          if (cpu_has_avx2()) {
+            fast_block<kFirst>(tp, b, e, lo, hi, fast, [&](int64_t i) {
+              const double t = tp[i];
+              if (t - 1.0 >= lo && t - 1.0 < hi) {
+                hist[static_cast<int64_t>(std::min((t - 1.0 - lo) * scale, last))].add2(t, 1.0);
+              }
+              if (t >= lo && t < hi) {
+                hist[static_cast<int64_t>(std::min((t - lo) * scale, last))].add1(t, 1.0);
+              }
+            });
+            return;
+          }
+        }
+#endif
         for (int64_t b0 = b; b0 < e; b0 += kBlock) {
           const int64_t e0 = std::min(e, b0 + kBlock);
           int64_t i = b0;
@@ -190,6 +345,12 @@ void level_pass(
         bad_t += L.bad_t[l];
         bad_c += L.bad_c[l];
       }
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+      at_lo.merge(Piece{fast.u, fast.fct, fast.fcc});
+      at_zero.merge(Piece{fast.u0, fast.f0ct, fast.f0cc});
+      max_key1 = std::max(max_key1, static_cast<double>(fast.maxk1));
+      bad_t += fast.bad ? 1.0 : 0.0;
+#endif
       a.at_lo = at_lo;
       if (kFirst) {
         a.at_zero = at_zero;
@@ -366,6 +527,14 @@ void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
             const scalar_t* tp = static_cast<const scalar_t*>(s.t);
             const scalar_t* cp = static_cast<const scalar_t*>(s.c);
             scalar_t* op = static_cast<scalar_t*>(s.out);
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+            if constexpr (std::is_same_v<scalar_t, float> && !kCost) {
+              if (cpu_has_avx2()) {
+                fast_apply(tp, op, b, e, lam);
+                return;
+              }
+            }
+#endif
             for (int64_t i = b; i < e; ++i) {
               const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
               op[i] = static_cast<scalar_t>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam * c));

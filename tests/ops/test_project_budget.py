@@ -212,3 +212,16 @@ def test_reference_bisection_reaches_exact_piece():
     exact = project_budget_sort(t, 1.5)
     torch.testing.assert_close(project_budget(t, 1.5), exact, atol=1e-12, rtol=0)
     torch.testing.assert_close(project_budget_reference(t, 1.5), exact, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("position", [0, 5, 4096, 99_999])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_detected_anywhere(dtype, position, bad):
+    # large enough for the sampled bracket and the vectorised float32 path
+    t = torch.rand(100_000, dtype=dtype)
+    t[position] = bad
+    before = t.clone()
+    with pytest.raises(ValueError, match="theta"):
+        project_budget_(t, 10_000.0)
+    assert torch.equal(t.nan_to_num(), before.nan_to_num())
