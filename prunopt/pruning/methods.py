@@ -265,7 +265,8 @@ def lottery_ticket_trainings(sparsity: float, rate: float = 0.2) -> int:
 class LotteryTicket(PruningMethod):
     """Lottery tickets with rewinding (Frankle et al. [19], App. G.2).
 
-    Call :meth:`step` after every optimizer step; at ``last_step == t0`` the
+    Call :meth:`step` after every optimizer step (and after the LR scheduler's
+    ``step()`` when it is stepped per iteration); at ``last_step == t0`` the
     model's full state (weights, FBs, BatchNorm statistics), the optimizer's and
     the LR scheduler's state dicts are saved (``t0 = 0``: at construction).
     After training to convergence call :meth:`prune_and_rewind`: the 20 % (``rate``)
