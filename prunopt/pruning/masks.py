@@ -322,7 +322,7 @@ class Masker:
         params = [pt.parameter for pt in pts]
         masks = [self._float_mask(pt, p.dtype) for pt, p in zip(pts, params)]
         with torch.no_grad():
-            torch._foreach_mul_([p.data for p in params], masks)
+            torch._foreach_mul_(params, masks)  # in place on the Parameters: bumps their version counters
             if not zero_state:
                 return
             states, smasks = [], []
