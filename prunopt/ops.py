@@ -99,3 +99,19 @@ if extension_available():
     @torch.library.register_fake("prunopt::project_budget_")
     def _project_budget_inplace_fake(theta, cost, budget):
         return None
+
+
+# ---------------------------------------------------------------------------
+# Interspace pruning: filter-basis convolution (SPEC.md §3, issue 4).
+# Ops: fb_reconstruct (fused eq. 4), fb_conv2d (eq. 6/8, dense or sparse path
+# chosen by density inside the kernel), fb_conv2d_csr (eq. 8 on a cached CSR).
+# ---------------------------------------------------------------------------
+from prunopt.ops_interspace import (  # noqa: E402
+    FBCompressed,
+    fb_compress,
+    fb_conv2d,
+    fb_conv2d_compressed,
+    fb_reconstruct,
+)
+
+__all__ += ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed"]

@@ -1,3 +1,26 @@
 """Layers and masks: probabilistic masks (ProbMask/ProM), filter-basis
 convolutions (interspace pruning), sparse gates and two-temperature masks."""
 __all__ = []
+
+# --- interspace pruning: filter-basis convolutions (SPEC.md §3, issue 4) ---
+from prunopt.nn.interspace import (  # noqa: E402
+    FBConv2d,
+    FilterBasis,
+    interspace_flops,
+    interspace_param_groups,
+    interspace_report,
+    pruning_rates,
+    sparse_storage,
+    to_interspace,
+)
+
+__all__ += [
+    "FilterBasis",
+    "FBConv2d",
+    "to_interspace",
+    "interspace_param_groups",
+    "pruning_rates",
+    "interspace_flops",
+    "sparse_storage",
+    "interspace_report",
+]
