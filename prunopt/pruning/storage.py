@@ -3,6 +3,7 @@ and the entropy-coded bound (paper App. C, eq. A.2)."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Mapping, Union
@@ -97,7 +98,9 @@ def to_csr(weight: Tensor) -> CSRTensor:
     w = weight.detach()
     rows = w.shape[0]
     mat = w.reshape(rows, -1) if w.dim() > 1 else w.reshape(1, -1)
-    csr = mat.to_sparse_csr()
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = mat.to_sparse_csr()
     crow, col = csr.crow_indices(), csr.col_indices()
     return CSRTensor(
         shape=w.shape,
@@ -113,7 +116,9 @@ def from_csr(c: CSRTensor) -> Tensor:
         raise TypeError(f"c must be a CSRTensor, got {type(c).__name__}")
     rows = c.shape[0] if len(c.shape) > 1 else 1
     cols = math.prod(c.shape) // rows if rows else 0
-    mat = torch.sparse_csr_tensor(c.crow_indices.long(), c.col_indices.long(), c.values, size=(rows, cols))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        mat = torch.sparse_csr_tensor(c.crow_indices.long(), c.col_indices.long(), c.values, size=(rows, cols))
     return mat.to_dense().reshape(c.shape)
 
 
