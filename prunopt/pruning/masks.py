@@ -84,6 +84,7 @@ class PrunableTensor:
 
     @property
     def interspace(self) -> bool:
+        """True for FB coefficients ``lam`` (IP), False for spatial weights (SP)."""
         return self.attr == "coefficients"
 
     @property
@@ -236,9 +237,11 @@ class Masker:
                 self.optimizers.append(o)
 
     def names(self) -> List[str]:
+        """Tensor FQNs of the masked tensors, in module order."""
         return list(self.tensors)
 
     def __getitem__(self, name: str) -> PrunableTensor:
+        """The :class:`PrunableTensor` of a tensor or module FQN (``ValueError`` if unknown)."""
         return self.tensors[self._check_name(name)]
 
     def _check_name(self, name: str) -> str:
@@ -268,6 +271,7 @@ class Masker:
         return kept / total
 
     def sparsity(self) -> float:
+        """Pruning rate ``p = 1 - ||mu||_0 / d`` over the masked tensors."""
         return 1.0 - self.density()
 
     # --------------------------------------------------------------- updating
@@ -373,6 +377,7 @@ class Masker:
         return {"masks": dict(self.masks()), "zero_state_every_step": self.zero_state_every_step}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore masks saved by :meth:`state_dict` (all tensors must be present)."""
         if "masks" not in state:
             raise ValueError("state dict has no 'masks' entry")
         masks = state["masks"]

@@ -84,9 +84,12 @@ class PruningMethod:
         self.last_step += 1
 
     def state_dict(self) -> Dict[str, object]:
+        """The counters (``last_step`` and method-specific ones); masks live in
+        the masker's state dict."""
         return {k: copy.deepcopy(getattr(self, k)) for k in self._state_keys}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore counters saved by :meth:`state_dict`."""
         missing = [k for k in self._state_keys if k not in state]
         if missing:
             raise ValueError(f"state dict lacks {missing}")
@@ -317,6 +320,7 @@ class LotteryTicket(PruningMethod):
 
     @property
     def prunable(self) -> List[str]:
+        """Names of the tensors lottery-ticket rounds prune (all but ``dense``)."""
         return [n for n in self.masker.tensors if n not in self.dense]
 
     def current_sparsity(self) -> float:
@@ -410,6 +414,7 @@ class DynamicSparseTraining(PruningMethod):
     _state_keys = ("last_step", "updates")
 
     def drop_fraction(self, t: Optional[int] = None) -> float:
+        """``p_t`` of A.77 at step ``t`` (default: ``last_step``)."""
         return cosine_drop_fraction(self.last_step if t is None else t, self.total_steps, self.p_init, self.p_min)
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> None:

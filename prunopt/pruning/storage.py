@@ -83,9 +83,11 @@ class CSRTensor:
 
     @property
     def dense_nbytes(self) -> int:
+        """Bytes of the dense tensor (``numel * element_size``)."""
         return math.prod(self.shape) * self.values.element_size()
 
     def to_dense(self) -> Tensor:
+        """The dense tensor (:func:`from_csr`)."""
         return from_csr(self)
 
 

@@ -175,3 +175,23 @@ def test_pai_on_ip_exact_count_and_dense_gradients():
     ref = torch.autograd.grad(F.cross_entropy(plain(x), y), [plain.conv1.coefficients, plain.conv2.coefficients])
     torch.testing.assert_close(dense["conv1.coefficients"], ref[0])
     torch.testing.assert_close(dense["conv2.coefficients"], ref[1])
+
+
+def test_ip_masks_under_torch_compile():
+    _, ip = _pair()
+    ip.bn = torch.nn.Identity()
+    opt = torch.optim.SGD(ip.parameters(), lr=0.05, momentum=0.9)
+    masker = Masker(ip, opt)
+    masker.set_masks(random_masks(masker, 0.5))
+    compiled = torch.compile(ip, backend="aot_eager")
+    x, y = batch()
+    torch.testing.assert_close(compiled(x), ip(x))
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(compiled(x), y).backward()
+        opt.step()
+        masker.step()
+    for pt in masker.tensors.values():
+        pruned = ~pt.mask.bool()
+        assert torch.count_nonzero(pt.parameter.detach()[pruned]) == 0
+        assert torch.count_nonzero(opt.state[pt.parameter]["momentum_buffer"][pruned]) == 0
