@@ -11,6 +11,7 @@ kept only when ``k`` exceeds the number of finite scores); NaN is rejected.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import OrderedDict
 from typing import Dict, Mapping, Optional, Sequence, Union
 
@@ -29,7 +30,7 @@ __all__ = [
 
 def check_sparsity(p, name: str = "sparsity") -> float:
     """Validate a pruning rate ``p`` in ``[0, 1]`` (a real number, not a bool)."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__}")
     p = float(p)
     if not (0.0 <= p <= 1.0) or math.isnan(p):
