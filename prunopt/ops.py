@@ -115,3 +115,22 @@ from prunopt.ops_interspace import (  # noqa: E402
 )
 
 __all__ += ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed"]
+
+if extension_available() and hasattr(torch.ops.prunopt, "fb_conv2d"):
+    from prunopt.ops_interspace import fb_conv_out_shape as _fb_conv_out_shape  # noqa: E402
+    from prunopt.ops_interspace import register_fb_autograd as _register_fb_autograd  # noqa: E402
+
+    @torch.library.register_fake("prunopt::fb_reconstruct")
+    def _fb_reconstruct_fake(coefficients, basis, mask):
+        return coefficients.new_empty(coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
+
+    @torch.library.register_fake("prunopt::fb_conv2d")
+    def _fb_conv2d_fake(input, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density):
+        return input.new_empty(_fb_conv_out_shape(input, coefficients.shape[0], basis, stride, padding, dilation))
+
+    @torch.library.register_fake("prunopt::fb_conv2d_csr")
+    def _fb_conv2d_csr_fake(input, crow_indices, col_indices, values, basis, bias, stride, padding, dilation, groups):
+        c_out = crow_indices.shape[0] - 1
+        return input.new_empty(_fb_conv_out_shape(input, c_out, basis, stride, padding, dilation))
+
+    _register_fb_autograd()

@@ -219,3 +219,108 @@ def _decompress(compressed: FBCompressed) -> Tensor:
     dense = compressed.values.new_zeros(c_out, c_in_g * n)
     dense.index_put_((rows, compressed.col_indices.long()), compressed.values)
     return dense.reshape(c_out, c_in_g, n)
+
+
+def fb_conv_out_shape(input: Tensor, c_out, basis: Tensor, stride, padding, dilation):
+    """``(B, C_out, Ho, Wo)`` of a 4-D input, as ``conv2d``."""
+    ho = (input.shape[2] + 2 * padding[0] - dilation[0] * (basis.shape[1] - 1) - 1) // stride[0] + 1
+    wo = (input.shape[3] + 2 * padding[1] - dilation[1] * (basis.shape[2] - 1) - 1) // stride[1] + 1
+    return (input.shape[0], c_out, ho, wo)
+
+
+# -- autograd (eq. 7, A.12-A.14) ---------------------------------------------------------------
+
+def _reconstruct_grads(grad_h: Tensor, lam_mu: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool, need_basis: bool):
+    """``dL/dlam = <g^(n), dL/dh> * mu`` (eq. 7, A.13) and ``dL/dg^(n) = sum lam mu dL/dh`` (A.14),
+    as two matrix products over the flattened filters."""
+    n = basis.shape[0]
+    gh = grad_h.reshape(-1, grad_h.shape[2] * grad_h.shape[3])  # (C_out*C_in/g, kh*kw)
+    g_lam = g_basis = None
+    if need_lam:
+        g_lam = (gh @ basis.reshape(n, -1).T).reshape(lam_mu.shape)
+        if mask is not None:
+            g_lam = g_lam * mask
+    if need_basis:
+        g_basis = (lam_mu.reshape(-1, n).T @ gh).reshape(basis.shape)
+    return g_lam, g_basis
+
+
+def _masked(coefficients: Tensor, mask: Optional[Tensor]) -> Tensor:
+    return coefficients if mask is None else coefficients * mask
+
+
+def _conv_backward(grad: Tensor, input: Tensor, h: Tensor, has_bias: bool, stride, padding, dilation, groups, needs):
+    """``dL/dX``, ``dL/dh`` (= dL/dY * X, eq. A.11) and ``dL/db`` of ``conv2d``."""
+    return torch.ops.aten.convolution_backward(
+        grad, input, h, [h.shape[0]] if has_bias else None, list(stride), list(padding), list(dilation),
+        False, [0, 0], groups, [needs[0], needs[1], needs[2] and has_bias],
+    )
+
+
+def _fb_reconstruct_setup(ctx, inputs, output):
+    coefficients, basis, mask = inputs
+    ctx.save_for_backward(coefficients, basis, mask)
+
+
+def _fb_reconstruct_backward(ctx, grad_h):
+    coefficients, basis, mask = ctx.saved_tensors
+    g_lam, g_basis = _reconstruct_grads(grad_h, _masked(coefficients, mask), basis, mask,
+                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    return g_lam, g_basis, None
+
+
+def _fb_conv2d_setup(ctx, inputs, output):
+    input, coefficients, basis, mask, bias, stride, padding, dilation, groups, _ = inputs
+    ctx.save_for_backward(input, coefficients, basis, mask)
+    ctx.conv = (bias is not None, stride, padding, dilation, groups)
+
+
+def _fb_conv2d_backward(ctx, grad):
+    input, coefficients, basis, mask = ctx.saved_tensors
+    has_bias, stride, padding, dilation, groups = ctx.conv
+    need = ctx.needs_input_grad
+    lam_mu = _masked(coefficients, mask)
+    h = torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
+    g_in, g_h, g_b = _conv_backward(grad.contiguous(), input, h, has_bias, stride, padding, dilation, groups,
+                                    (need[0], need[1] or need[2], need[4]))
+    g_lam = g_basis = None
+    if need[1] or need[2]:
+        g_lam, g_basis = _reconstruct_grads(g_h, lam_mu, basis, mask, need[1], need[2])
+    return g_in, g_lam, g_basis, None, g_b, None, None, None, None, None
+
+
+def _csr_rows(crow: Tensor) -> Tensor:
+    c_out = crow.shape[0] - 1
+    return torch.repeat_interleave(torch.arange(c_out, device=crow.device), (crow[1:] - crow[:-1]).long())
+
+
+def _fb_conv2d_csr_setup(ctx, inputs, output):
+    input, crow, col, values, basis, bias, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(input, crow, col, values, basis)
+    ctx.conv = (bias is not None, stride, padding, dilation, groups)
+
+
+def _fb_conv2d_csr_backward(ctx, grad):
+    input, crow, col, values, basis = ctx.saved_tensors
+    has_bias, stride, padding, dilation, groups = ctx.conv
+    need = ctx.needs_input_grad
+    c_out, n = crow.shape[0] - 1, basis.shape[0]
+    c_in_g = input.shape[1] // groups
+    rows, cols = _csr_rows(crow), col.long()
+    lam = values.new_zeros(c_out, c_in_g * n).index_put((rows, cols), values).reshape(c_out, c_in_g, n)
+    h = torch.ops.prunopt.fb_reconstruct(lam, basis, None)
+    g_in, g_h, g_b = _conv_backward(grad.contiguous(), input, h, has_bias, stride, padding, dilation, groups,
+                                    (need[0], need[3] or need[4], need[5]))
+    g_vals = g_basis = None
+    if need[3] or need[4]:
+        g_lam, g_basis = _reconstruct_grads(g_h, lam, basis, None, need[3], need[4])
+        if need[3]:
+            g_vals = g_lam.reshape(c_out, -1)[rows, cols]  # only the stored non-zeros train
+    return g_in, None, None, g_vals, g_basis, g_b, None, None, None, None
+
+
+def register_fb_autograd() -> None:
+    """Registers the backward formulas above for the three FB ops."""
+    torch.library.register_autograd("prunopt::fb_reconstruct", _fb_reconstruct_backward, setup_context=_fb_reconstruct_setup)
+    torch.library.register_autograd("prunopt::fb_conv2d", _fb_conv2d_backward, setup_context=_fb_conv2d_setup)
+    torch.library.register_autograd("prunopt::fb_conv2d_csr", _fb_conv2d_csr_backward, setup_context=_fb_conv2d_csr_setup)

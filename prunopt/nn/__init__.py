@@ -1,6 +1,30 @@
 """Layers and masks: probabilistic masks (ProbMask/ProM), filter-basis
 convolutions (interspace pruning), sparse gates and two-temperature masks."""
-__all__ = []
+from prunopt.nn.probmask import (
+    ProbMask,
+    ProbMaskInput,
+    apply_probmask,
+    finalize_probmask,
+    gumbel_sigmoid,
+    mask_density,
+    probmask_modules,
+    probmask_scores,
+    remove_probmask,
+    set_temperature,
+)
+
+__all__ = [
+    "ProbMask",
+    "ProbMaskInput",
+    "apply_probmask",
+    "finalize_probmask",
+    "gumbel_sigmoid",
+    "mask_density",
+    "probmask_modules",
+    "probmask_scores",
+    "remove_probmask",
+    "set_temperature",
+]
 
 # --- interspace pruning: filter-basis convolutions (SPEC.md §3, issue 4) ---
 from prunopt.nn.interspace import (  # noqa: E402

@@ -1,3 +1,5 @@
 """Optimizers and projections: ``BudgetProjection`` (ProM/ProbMask),
 ``PrunAdag`` and the Frank-Wolfe baselines (prunAdag paper)."""
-__all__ = []
+from prunopt.optim.budget import BudgetProjection
+
+__all__ = ["BudgetProjection"]
