@@ -24,3 +24,20 @@ TORCH_LIBRARY(prunopt, m) {
   m.def("project_budget(Tensor[] theta, Tensor[]? cost, float budget) -> Tensor[]");
   m.def("project_budget_(Tensor(a!)[] theta, Tensor[]? cost, float budget) -> ()");
 }
+
+// ---------------------------------------------------------------------------
+// Interspace pruning: filter-basis convolution (SPEC.md section 3, issue 4).
+// Kernels: csrc/cpu/fb_reconstruct.cpp, csrc/cpu/fb_conv2d.cpp,
+// csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops.py.
+// ---------------------------------------------------------------------------
+TORCH_LIBRARY_FRAGMENT(prunopt, m) {
+  // h = einsum("oin,nkl->oikl", lam * mu, basis)   (eq. 4)
+  m.def("fb_reconstruct(Tensor coefficients, Tensor basis, Tensor? mask) -> Tensor");
+  // eq. 6/8: sparse (eq. 8, Alg. 1) when density(lam * mu) <= max_density,
+  // else reconstruct + conv2d. Input (B, C_in, H, W); output contiguous.
+  m.def("fb_conv2d(Tensor input, Tensor coefficients, Tensor basis, Tensor? mask, Tensor? bias, "
+        "int[2] stride, int[2] padding, int[2] dilation, int groups, float max_density) -> Tensor");
+  // eq. 8 on lam * mu already in CSR form (int32 indices; column i*N + n).
+  m.def("fb_conv2d_csr(Tensor input, Tensor crow_indices, Tensor col_indices, Tensor values, Tensor basis, "
+        "Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor");
+}

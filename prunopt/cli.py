@@ -3,6 +3,7 @@
     prunopt train --method probmask --density 0.1 [--epochs N] [--out DIR]
     prunopt repro NAME [--out DIR] [--quick]
     prunopt bench [--quick] [--only NAME]
+    prunopt compare --method snip [--sparsities 0.5,0.8,0.9] [--out DIR]
 """
 from __future__ import annotations
 
@@ -71,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
         if entry.add_arguments is not None:
             entry.add_arguments(r)
 
+    # --- compare (issue 5): SP vs IP for one pruning-toolkit method ---
+    c = sub.add_parser("compare", help="SP vs IP for one pruning method over a few sparsities (markdown table + PNG)")
+    c.add_argument("--method", required=True, choices=["pai-random", "snip", "grasp", "synflow", "lt", "set", "rigl", "gmp", "ft"])
+    c.add_argument("--sparsities", default="0.5,0.8,0.9,0.95", help="comma-separated sparsities (default 0.5,0.8,0.9,0.95)")
+    c.add_argument("--out", default="runs/compare", help="folder for compare_<method>.md and .png")
+    c.add_argument("--epochs", type=_positive_int("--epochs"), default=None)
+    c.add_argument("--limit", type=_positive_int("--limit"), default=None)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--sharing", choices=["fine", "coarse"], default="fine")
+    c.add_argument("--no-progress", dest="progress", action="store_false")
+
     b = sub.add_parser("bench", help="run the microbenchmark suite (writes bench/results/)")
     b.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     b.add_argument("--only", action="append", default=None, help="run only this benchmark (repeatable)")
@@ -103,6 +115,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.name not in REPROS:
             raise SystemExit("prunopt repro: no reproductions are registered")
         REPROS[args.name].run(args)
+        return 0
+    if args.command == "compare":
+        from prunopt.train.methods.toolkit import compare
+
+        ps = [_fraction("--sparsities")(v.strip()) for v in args.sparsities.split(",") if v.strip()]
+        extra = ["--seed", str(args.seed), "--sharing", args.sharing]
+        extra += ["--epochs", str(args.epochs)] if args.epochs else []
+        extra += ["--limit", str(args.limit)] if args.limit else []
+        extra += [] if args.progress else ["--no-progress"]
+        print(compare(args.method, ps, args.out, extra), flush=True)
         return 0
     if args.command == "bench":
         sys.path.insert(0, os.path.dirname(_bench_dir()))

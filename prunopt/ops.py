@@ -99,3 +99,38 @@ if extension_available():
     @torch.library.register_fake("prunopt::project_budget_")
     def _project_budget_inplace_fake(theta, cost, budget):
         return None
+
+
+# ---------------------------------------------------------------------------
+# Interspace pruning: filter-basis convolution (SPEC.md §3, issue 4).
+# Ops: fb_reconstruct (fused eq. 4), fb_conv2d (eq. 6/8, dense or sparse path
+# chosen by density inside the kernel), fb_conv2d_csr (eq. 8 on a cached CSR).
+# ---------------------------------------------------------------------------
+from prunopt.ops_interspace import (  # noqa: E402
+    FBCompressed,
+    fb_compress,
+    fb_conv2d,
+    fb_conv2d_compressed,
+    fb_reconstruct,
+)
+
+__all__ += ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed"]
+
+if extension_available() and hasattr(torch.ops.prunopt, "fb_conv2d"):
+    from prunopt.ops_interspace import fb_conv_out_shape as _fb_conv_out_shape  # noqa: E402
+    from prunopt.ops_interspace import register_fb_autograd as _register_fb_autograd  # noqa: E402
+
+    @torch.library.register_fake("prunopt::fb_reconstruct")
+    def _fb_reconstruct_fake(coefficients, basis, mask):
+        return coefficients.new_empty(coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
+
+    @torch.library.register_fake("prunopt::fb_conv2d")
+    def _fb_conv2d_fake(input, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density):
+        return input.new_empty(_fb_conv_out_shape(input, coefficients.shape[0], basis, stride, padding, dilation))
+
+    @torch.library.register_fake("prunopt::fb_conv2d_csr")
+    def _fb_conv2d_csr_fake(input, crow_indices, col_indices, values, basis, bias, stride, padding, dilation, groups):
+        c_out = crow_indices.shape[0] - 1
+        return input.new_empty(_fb_conv_out_shape(input, c_out, basis, stride, padding, dilation))
+
+    _register_fb_autograd()

@@ -25,3 +25,26 @@ __all__ = [
     "remove_probmask",
     "set_temperature",
 ]
+
+# --- interspace pruning: filter-basis convolutions (SPEC.md §3, issue 4) ---
+from prunopt.nn.interspace import (  # noqa: E402
+    FBConv2d,
+    FilterBasis,
+    interspace_flops,
+    interspace_param_groups,
+    interspace_report,
+    pruning_rates,
+    sparse_storage,
+    to_interspace,
+)
+
+__all__ += [
+    "FilterBasis",
+    "FBConv2d",
+    "to_interspace",
+    "interspace_param_groups",
+    "pruning_rates",
+    "interspace_flops",
+    "sparse_storage",
+    "interspace_report",
+]

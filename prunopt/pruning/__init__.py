@@ -1,3 +1,54 @@
 """Pruning toolkit: masks, scores, schedules and methods for standard and
 interspace weights."""
 __all__ = []
+
+# --- pruning toolkit (issue 5): masks, scores, selection, methods, storage ---
+from prunopt.pruning.masks import Masker, PrunableTensor, WeightMask, is_fb_conv, prunable_tensors, remove_masks  # noqa: E402
+from prunopt.pruning.selection import (  # noqa: E402
+    check_sparsity,
+    erk_counts,
+    erk_densities,
+    global_masks,
+    kept_count,
+    layerwise_masks,
+)
+from prunopt.pruning.scores import (  # noqa: E402
+    SCORES,
+    grasp_scores,
+    magnitude_scores,
+    random_scores,
+    snip_scores,
+    synflow_scores,
+)
+from prunopt.pruning.methods import (  # noqa: E402
+    DynamicSparseTraining,
+    FineTuning,
+    GradualMagnitudePruning,
+    LotteryTicket,
+    PruningAtInit,
+    PruningMethod,
+    cosine_drop_fraction,
+    gmp_sparsity,
+    lottery_ticket_trainings,
+    magnitude_prune,
+    synflow_prune,
+)
+from prunopt.pruning.storage import (  # noqa: E402
+    CSRTensor,
+    entropy_bound,
+    export_csr,
+    from_csr,
+    mask_entropy_bits,
+    pruning_rates,
+    to_csr,
+)
+
+__all__ += [
+    "Masker", "PrunableTensor", "WeightMask", "is_fb_conv", "prunable_tensors", "remove_masks",
+    "check_sparsity", "erk_counts", "erk_densities", "global_masks", "kept_count", "layerwise_masks",
+    "SCORES", "grasp_scores", "magnitude_scores", "random_scores", "snip_scores", "synflow_scores",
+    "DynamicSparseTraining", "FineTuning", "GradualMagnitudePruning", "LotteryTicket", "PruningAtInit",
+    "PruningMethod", "cosine_drop_fraction", "gmp_sparsity", "lottery_ticket_trainings", "magnitude_prune",
+    "synflow_prune",
+    "CSRTensor", "entropy_bound", "export_csr", "from_csr", "mask_entropy_bits", "pruning_rates", "to_csr",
+]

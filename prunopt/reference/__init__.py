@@ -7,3 +7,18 @@ from prunopt.reference.projection import (
 )
 
 __all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]
+
+# --- interspace pruning: filter-basis convolution (SPEC.md §3, issue 4) ---
+from prunopt.reference.interspace import (  # noqa: E402
+    fb_coefficient_grads_reference,
+    fb_conv2d_reference,
+    fb_conv2d_sparse_reference,
+    fb_reconstruct_reference,
+)
+
+__all__ += [
+    "fb_reconstruct_reference",
+    "fb_conv2d_reference",
+    "fb_conv2d_sparse_reference",
+    "fb_coefficient_grads_reference",
+]

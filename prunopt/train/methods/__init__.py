@@ -31,3 +31,6 @@ def register_method(name: str, run: Callable, help: str, add_arguments: Optional
 
 # Method modules register themselves on import.
 from prunopt.train.methods import probmask  # noqa: E402,F401
+
+# --- pruning toolkit (issue 5): pai-random, snip, grasp, synflow, lt, set, rigl, gmp, ft ---
+from prunopt.train.methods import toolkit  # noqa: E402,F401

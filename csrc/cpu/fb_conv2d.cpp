@@ -1,0 +1,455 @@
+// Filter-basis 2D convolution on the CPU (SPEC.md section 3; interspace
+// pruning eq. 6, 8 and Alg. 1).
+//
+// Sparse path, for masked coefficients in CSR form (row o, column i*N + n):
+//   1. basis maps  Z[b, c, n, p] = (g[n] * X[b, c])[p]  -- im2col of X fused with
+//      the K^2 x N transform: for every non-zero g[n, k] one shifted, strided
+//      axpy of an input row into Z (Alg. 1 l. 7-8). Only the maps (c, n) that
+//      some non-zero coefficient uses are computed.
+//   2. mix  Y[b, o, p] = bias[o] + sum_{e in row o} val[e] * Z[b, g(o), col[e], p]
+//      (eq. 8, Alg. 1 l. 9-10): a CSR x dense product. Tasks are (batch, tile of
+//      P, output channel) with the channel innermost, so one tile of Z stays in
+//      cache while every output channel reads it.
+// Both steps run under at::parallel_for and accumulate in the input dtype, as
+// conv2d does (each output is a sum of ||row o||_0 products).
+//
+// fb_conv2d counts the non-zeros of lam * mu (one parallel pass); if the density
+// exceeds max_density it reconstructs the filters and calls conv2d (the dense
+// path), else it builds the CSR in a second pass and runs the sparse path.
+// fb_conv2d_csr runs the sparse path on a CSR built once (FBConv2d caches it).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "prunopt/fb_checks.h"
+#include "prunopt/fb_conv.h"
+
+namespace prunopt {
+namespace cpu {
+namespace {
+
+struct Geometry {
+  int64_t batch, c_in, h, w, n, kh, kw, ho, wo, sh, sw, ph, pw, dh, dw, c_out, groups;
+  int64_t p() const { return ho * wo; }
+  int64_t c_in_g() const { return c_in / groups; }
+};
+
+// Where kernel tap k = (ky, kx) reads: outputs [ylo, yhi) x [xlo, xhi) read the
+// input at (oy*sh + offy, ox*sw + offx); the others read zero padding.
+struct TapGeometry {
+  int64_t ylo, yhi, xlo, xhi, offy, offx;
+};
+
+std::vector<TapGeometry> tap_geometry(const Geometry& G) {
+  std::vector<TapGeometry> taps;
+  for (int64_t ky = 0; ky < G.kh; ++ky) {
+    for (int64_t kx = 0; kx < G.kw; ++kx) {
+      TapGeometry t;
+      t.offy = ky * G.dh - G.ph;
+      t.offx = kx * G.dw - G.pw;
+      fb::valid_range(G.h, G.ho, G.sh, t.offy, &t.ylo, &t.yhi);
+      fb::valid_range(G.w, G.wo, G.sw, t.offx, &t.xlo, &t.xhi);
+      taps.push_back(t);
+    }
+  }
+  return taps;
+}
+
+// im2col of one input channel: col[k, p] = X[c] at tap k for output p (0 in the padding).
+template <typename scalar_t>
+void im2col_channel(const scalar_t* xc, const Geometry& G, const std::vector<TapGeometry>& taps, scalar_t* col) {
+  const int64_t P = G.p();
+  for (size_t k = 0; k < taps.size(); ++k) {
+    const TapGeometry& t = taps[k];
+    scalar_t* ck = col + k * P;
+    const bool full = t.ylo == 0 && t.yhi == G.ho && t.xlo == 0 && t.xhi == G.wo;
+    if (!full) std::fill(ck, ck + P, scalar_t(0));
+    for (int64_t oy = t.ylo; oy < t.yhi; ++oy) {
+      const scalar_t* xr = xc + (oy * G.sh + t.offy) * G.w + t.offx;
+      scalar_t* cr = ck + oy * G.wo;
+      if (G.sw == 1) {
+        std::copy(xr + t.xlo, xr + t.xhi, cr + t.xlo);
+      } else {
+        for (int64_t ox = t.xlo; ox < t.xhi; ++ox) cr[ox] = xr[ox * G.sw];
+      }
+    }
+  }
+}
+
+constexpr int64_t kTile = 64;  // outputs per register tile
+
+// The hot loops are compiled twice, for the baseline ISA of the build and for
+// AVX2+FMA, and picked at run time (the extension is built for generic x86-64).
+#if defined(__GNUC__) && defined(__x86_64__)
+#define PRUNOPT_X86_DISPATCH 1
+inline bool use_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#endif
+
+// A tile of W outputs is summed in GCC vector registers (32 bytes: one AVX
+// register or two SSE registers; 16 bytes for 4 floats), so the partial sums
+// stay in registers whatever the compiler's loop transformations. Rows are
+// read W wide: the buffers they come from are padded by kTile elements, and
+// only the valid outputs are stored. Half and BFloat16 take a scalar loop.
+template <typename scalar_t>
+constexpr bool kVectorised = std::is_same<scalar_t, float>::value || std::is_same<scalar_t, double>::value;
+
+// out[0:W] = b0 + sum_{e < count} w(e) * row(e)[0:W]: the inner product of eq. 8
+// (and of the K^2 x N transform) for one tile. Always inlined, so it is
+// compiled for the ISA of its caller (AVX2+FMA clone or baseline).
+template <typename scalar_t, int W, typename WFn, typename RowFn>
+__attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, WFn w, RowFn row, scalar_t* out) {
+  if constexpr (kVectorised<scalar_t>) {
+    constexpr int kBytes = W * sizeof(scalar_t) < 32 ? W * sizeof(scalar_t) : 32;
+    typedef scalar_t V __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
+    constexpr int kVecs = W * sizeof(scalar_t) / kBytes;
+    V acc[kVecs];
+    for (int i = 0; i < kVecs; ++i) acc[i] = V{} + b0;
+    for (int64_t e = 0; e < count; ++e) {
+      const V vw = V{} + w(e);
+      const V* r = reinterpret_cast<const V*>(row(e));
+      for (int i = 0; i < kVecs; ++i) acc[i] += vw * r[i];
+    }
+    V* o = reinterpret_cast<V*>(out);
+    for (int i = 0; i < kVecs; ++i) o[i] = acc[i];
+  } else {
+    float acc[W];
+    for (int p = 0; p < W; ++p) acc[p] = static_cast<float>(b0);
+    for (int64_t e = 0; e < count; ++e) {
+      const float vw = static_cast<float>(w(e));
+      const scalar_t* r = row(e);
+      for (int p = 0; p < W; ++p) acc[p] += vw * static_cast<float>(r[p]);
+    }
+    for (int p = 0; p < W; ++p) out[p] = static_cast<scalar_t>(acc[p]);
+  }
+}
+
+// Tile width for P outputs per channel: kTile, or the power of two >= P.
+inline int tile_width(int64_t P) {
+  int w = 4;
+  while (w < kTile && w < P) w *= 2;
+  return w;
+}
+
+// Calls F<W>() for the runtime width w.
+#define PRUNOPT_DISPATCH_WIDTH(w, ...)            \
+  switch (w) {                                      \
+    case 4: { constexpr int W = 4; __VA_ARGS__; break; }   \
+    case 8: { constexpr int W = 8; __VA_ARGS__; break; }   \
+    case 16: { constexpr int W = 16; __VA_ARGS__; break; } \
+    case 32: { constexpr int W = 32; __VA_ARGS__; break; } \
+    default: { constexpr int W = kTile; __VA_ARGS__; break; } \
+  }
+
+template <typename scalar_t>
+struct MapsArgs {
+  const scalar_t* x;
+  const Geometry* G;
+  const scalar_t* gs;
+  bool identity;
+  const uint8_t* used;
+  const std::vector<TapGeometry>* taps;
+  scalar_t* z;
+};
+
+template <typename scalar_t, int W>
+__attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A, int64_t t0, int64_t t1) {
+  const Geometry& G = *A.G;
+  const int64_t P = G.p(), K = G.kh * G.kw, N = G.n;
+  const bool identity = A.identity;
+  const auto& taps = *A.taps;
+  const scalar_t* x = A.x;
+  scalar_t* z = A.z;
+  const scalar_t* gs = A.gs;
+  const uint8_t* used = A.used;
+  std::vector<scalar_t> colbuf(identity ? 0 : K * P + kTile);
+  for (int64_t bc = t0; bc < t1; ++bc) {
+    const int64_t c = bc % G.c_in;
+    const uint8_t* uc = used + c * N;
+    bool any = false;
+    for (int64_t n = 0; n < N; ++n) any |= uc[n] != 0;
+    const scalar_t* xc = x + bc * G.h * G.w;
+    scalar_t* zc = z + bc * N * P;
+    // unused maps are never read for a valid output, only W-wide over-reads
+    // of a neighbour row touch them: zeros keep those lanes finite
+    if (!any) {
+      std::fill(zc, zc + N * P, scalar_t(0));
+      continue;
+    }
+    if (identity) {  // Z[c] is the im2col of X[c]
+      im2col_channel(xc, G, taps, zc);
+      continue;
+    }
+    scalar_t* col = colbuf.data();
+    im2col_channel(xc, G, taps, col);
+    for (int64_t n = 0; n < N; ++n) {
+      if (!uc[n]) {
+        std::fill(zc + n * P, zc + (n + 1) * P, scalar_t(0));
+        continue;
+      }
+      const scalar_t* gn = gs + n * K;
+      scalar_t* zn = zc + n * P;
+      for (int64_t p0 = 0; p0 < P; p0 += W) {
+        const int64_t len = std::min<int64_t>(W, P - p0);
+        scalar_t out[W];
+        tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
+            [&](int64_t k) -> const scalar_t* { return col + k * P + p0; }, out);
+        std::copy(out, out + len, zn + p0);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void maps_default(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), maps_body<scalar_t, W>(a, t0, t1))
+}
+#ifdef PRUNOPT_X86_DISPATCH
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) void maps_avx2(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), maps_body<scalar_t, W>(a, t0, t1))
+}
+#endif
+
+// Step 1: Z[b, c, n, :] = sum_k g[n, k] col_c[k, :] for every used (c, n): a
+// K^2 x N transform of the channel's im2col (the im2col itself for the
+// standard basis).
+template <typename scalar_t>
+void basis_maps(const scalar_t* x, const Geometry& G, const double* g, bool identity,
+                const std::vector<uint8_t>& used, scalar_t* z) {
+  const int64_t P = G.p(), K = G.kh * G.kw, N = G.n;
+  const auto taps = tap_geometry(G);
+  std::vector<scalar_t> gs(N * K);
+  for (int64_t i = 0; i < N * K; ++i) gs[i] = static_cast<scalar_t>(g[i]);
+  at::parallel_for(0, G.batch * G.c_in, std::max<int64_t>(1, 4096 / (N * P + 1)), [&](int64_t t0, int64_t t1) {
+    MapsArgs<scalar_t> a{x, &G, gs.data(), identity, used.data(), &taps, z};
+#ifdef PRUNOPT_X86_DISPATCH
+    if (use_avx2()) return maps_avx2<scalar_t>(a, t0, t1);
+#endif
+    maps_default<scalar_t>(a, t0, t1);
+  });
+}
+
+template <typename scalar_t>
+struct MixArgs {
+  const scalar_t* z;
+  const Geometry* G;
+  const int32_t* crow;
+  const int32_t* col;
+  const scalar_t* val;
+  const scalar_t* bias;
+  scalar_t* y;
+};
+
+template <typename scalar_t, int W>
+__attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, int64_t t0, int64_t t1) {
+  const Geometry& G = *A.G;
+  const int64_t P = G.p();
+  const int64_t tiles = (P + W - 1) / W;
+  const int64_t c_out_g = G.c_out / G.groups;
+  const scalar_t* z = A.z;
+  const int32_t* crow = A.crow;
+  const int32_t* col = A.col;
+  const scalar_t* val = A.val;
+  const scalar_t* bias = A.bias;
+  scalar_t* y = A.y;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t o = t % G.c_out;
+    const int64_t bt = t / G.c_out;
+    const int64_t tl = bt % tiles, b = bt / tiles;
+    const int64_t p0 = tl * W, len = std::min<int64_t>(W, P - p0);
+    const scalar_t b0 = bias ? bias[o] : scalar_t(0);
+    const scalar_t* zg = z + (b * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * P + p0;
+    const int32_t e0 = crow[o];
+    scalar_t out[W];
+    tile_sum<scalar_t, W>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
+        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * P; }, out);
+    std::copy(out, out + len, y + (b * G.c_out + o) * P + p0);
+  }
+}
+
+template <typename scalar_t>
+void mix_default(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), mix_body<scalar_t, W>(a, t0, t1))
+}
+#ifdef PRUNOPT_X86_DISPATCH
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) void mix_avx2(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), mix_body<scalar_t, W>(a, t0, t1))
+}
+#endif
+
+// Step 2: the CSR x dense mix of eq. 8. A task is (batch, tile of kTile
+// outputs, output channel); channels are innermost so the Z tile stays in cache.
+template <typename scalar_t>
+void csr_mix(const scalar_t* z, const Geometry& G, const int32_t* crow, const int32_t* col, const scalar_t* val,
+             const scalar_t* bias, scalar_t* y) {
+  const int64_t P = G.p();
+  const int64_t tiles = (P + tile_width(P) - 1) / tile_width(P);
+  const int64_t tasks = G.batch * tiles * G.c_out;
+  const int64_t nnz = crow[G.c_out];
+  const int64_t work_per_task = std::max<int64_t>(1, (nnz / std::max<int64_t>(1, G.c_out) + 1) * std::min(P, kTile));
+  const int64_t grain = std::max<int64_t>(1, 16384 / work_per_task);
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    MixArgs<scalar_t> a{z, &G, crow, col, val, bias, y};
+#ifdef PRUNOPT_X86_DISPATCH
+    if (use_avx2()) return mix_avx2<scalar_t>(a, t0, t1);
+#endif
+    mix_default<scalar_t>(a, t0, t1);
+  });
+}
+
+Geometry geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_out, at::IntArrayRef stride,
+                  at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, const std::vector<int64_t>& out) {
+  return Geometry{input.size(0), input.size(1), input.size(2), input.size(3), basis.size(0), basis.size(1),
+      basis.size(2), out[2], out[3], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], c_out,
+      groups};
+}
+
+// The sparse path on a validated CSR (int32 crow/col, contiguous values).
+at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const at::Tensor& col,
+    const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
+  auto y = at::empty({G.batch, G.c_out, G.ho, G.wo}, input.options());
+  if (y.numel() == 0) return y;
+  auto x = input.contiguous();
+  auto g = basis.to(at::kDouble).contiguous();
+  const double* gp = g.data_ptr<double>();
+  // the standard basis (Alg. A1) in its natural order: Z is the im2col itself
+  bool identity = G.n == G.kh * G.kw;
+  for (int64_t n = 0; identity && n < G.n; ++n)
+    for (int64_t k = 0; k < G.n; ++k) identity = identity && gp[n * G.n + k] == (n == k ? 1.0 : 0.0);
+  // maps (c, n) used by some non-zero coefficient
+  const int32_t* cp = col.data_ptr<int32_t>();
+  const int32_t* rp = crow.data_ptr<int32_t>();
+  const int64_t c_out_g = G.c_out / G.groups, c_in_g = G.c_in_g();
+  std::vector<uint8_t> used(G.c_in * G.n, 0);
+  for (int64_t o = 0; o < G.c_out; ++o) {
+    const int64_t base = (o / c_out_g) * c_in_g * G.n;
+    for (int64_t e = rp[o]; e < rp[o + 1]; ++e) used[base + cp[e]] = 1;
+  }
+  // padded by kTile elements: tiles read rows W wide (only valid outputs are kept)
+  auto z = at::empty({G.batch * G.c_in * G.n * G.p() + kTile}, input.options());
+  z.narrow(0, z.numel() - kTile, kTile).zero_();
+  auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "fb_conv2d", [&] {
+    basis_maps<scalar_t>(x.data_ptr<scalar_t>(), G, gp, identity, used, z.data_ptr<scalar_t>());
+    csr_mix<scalar_t>(z.data_ptr<scalar_t>(), G, rp, cp, values.data_ptr<scalar_t>(),
+        b.defined() ? b.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+at::Tensor reconstruct(const at::Tensor& coefficients, const at::Tensor& basis, const c10::optional<at::Tensor>& mask) {
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("prunopt::fb_reconstruct", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
+  return op.call(coefficients, basis, mask);
+}
+
+at::Tensor fb_conv2d_cpu(const at::Tensor& input, const at::Tensor& coefficients, const at::Tensor& basis,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double max_density) {
+  const char* op = "fb_conv2d";
+  check_fb_reconstruct_args(coefficients, basis, mask, op);
+  const int64_t c_out = coefficients.size(0), c_in_g = coefficients.size(1), n = coefficients.size(2);
+  const auto out = check_fb_conv_args(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op);
+  const int64_t row_len = c_in_g * n;
+  TORCH_CHECK_VALUE(row_len < (int64_t(1) << 31) && coefficients.numel() < (int64_t(1) << 31), op,
+      ": coefficients too large for int32 CSR indices");
+  auto lam = coefficients.contiguous();
+  auto mu = mask.has_value() ? mask->contiguous() : at::Tensor();
+  // pass 1: non-zeros of lam * mu per row
+  std::vector<int32_t> crow(c_out + 1, 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lam.scalar_type(), "fb_conv2d_count", [&] {
+    const scalar_t* lp = lam.data_ptr<scalar_t>();
+    const scalar_t* mp = mu.defined() ? mu.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, c_out, std::max<int64_t>(1, 4096 / (row_len + 1)), [&](int64_t o0, int64_t o1) {
+      for (int64_t o = o0; o < o1; ++o) {
+        int32_t cnt = 0;
+        for (int64_t j = o * row_len; j < (o + 1) * row_len; ++j) {
+          const scalar_t v = mp ? lp[j] * mp[j] : lp[j];
+          cnt += static_cast<int32_t>(v != scalar_t(0));
+        }
+        crow[o + 1] = cnt;
+      }
+    });
+  });
+  for (int64_t o = 0; o < c_out; ++o) crow[o + 1] += crow[o];
+  const int64_t nnz = crow[c_out];
+  const double density = coefficients.numel() ? static_cast<double>(nnz) / coefficients.numel() : 0.0;
+  if (density > max_density) {  // dense path: reconstruct (eq. 4) + conv2d (eq. 6)
+    return at::conv2d(input, reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
+        .contiguous();
+  }
+  // pass 2: the CSR of lam * mu
+  auto crow_t = at::from_blob(crow.data(), {c_out + 1}, at::kInt).clone();
+  auto col_t = at::empty({nnz}, at::kInt);
+  auto val_t = at::empty({nnz}, lam.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lam.scalar_type(), "fb_conv2d_csr_build", [&] {
+    const scalar_t* lp = lam.data_ptr<scalar_t>();
+    const scalar_t* mp = mu.defined() ? mu.data_ptr<scalar_t>() : nullptr;
+    int32_t* cp = col_t.data_ptr<int32_t>();
+    scalar_t* vp = val_t.data_ptr<scalar_t>();
+    at::parallel_for(0, c_out, std::max<int64_t>(1, 4096 / (row_len + 1)), [&](int64_t o0, int64_t o1) {
+      for (int64_t o = o0; o < o1; ++o) {
+        int64_t e = crow[o];
+        for (int64_t j = 0; j < row_len; ++j) {
+          const scalar_t v = mp ? lp[o * row_len + j] * mp[o * row_len + j] : lp[o * row_len + j];
+          if (v != scalar_t(0)) {
+            cp[e] = static_cast<int32_t>(j);
+            vp[e] = v;
+            ++e;
+          }
+        }
+      }
+    });
+  });
+  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  return sparse_forward(input, crow_t, col_t, val_t, basis, bias, G);
+}
+
+at::Tensor fb_conv2d_csr_cpu(const at::Tensor& input, const at::Tensor& crow_indices, const at::Tensor& col_indices,
+    const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  const char* op = "fb_conv2d_csr";
+  TORCH_CHECK_VALUE(basis.dim() == 3, op, ": basis must have shape (N, kh, kw), got ", basis.sizes());
+  check_fb_csr_args(crow_indices, col_indices, values, basis, op);
+  const int64_t c_out = crow_indices.numel() - 1;
+  TORCH_CHECK_VALUE(input.dim() == 4, op, ": input must have shape (B, C_in, H, W), got ", input.sizes());
+  TORCH_CHECK_VALUE(groups >= 1 && input.size(1) % groups == 0, op, ": groups must divide C_in = ", input.size(1));
+  const int64_t c_in_g = input.size(1) / groups;
+  const auto out = check_fb_conv_args(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op);
+  auto crow = crow_indices.contiguous();
+  auto col = col_indices.contiguous();
+  // a malformed CSR must be an error, never an out-of-bounds read
+  const int32_t* rp = crow.data_ptr<int32_t>();
+  const int32_t* cp = col.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(rp[0] == 0 && rp[c_out] == col.numel(), op,
+      ": crow_indices must start at 0 and end at nnz = ", col.numel());
+  for (int64_t o = 0; o < c_out; ++o) {
+    TORCH_CHECK_VALUE(rp[o] <= rp[o + 1], op, ": crow_indices must be non-decreasing");
+  }
+  const int64_t row_len = c_in_g * basis.size(0);
+  int32_t bad = 0;
+  for (int64_t e = 0; e < col.numel(); ++e) bad |= static_cast<int32_t>(cp[e] < 0 || cp[e] >= row_len);
+  TORCH_CHECK_VALUE(!bad, op, ": col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
+  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  return sparse_forward(input, crow, col, values.contiguous(), basis, bias, G);
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace prunopt
+
+TORCH_LIBRARY_IMPL(prunopt, CPU, m) {
+  m.impl("fb_conv2d", &prunopt::cpu::fb_conv2d_cpu);
+  m.impl("fb_conv2d_csr", &prunopt::cpu::fb_conv2d_csr_cpu);
+}

@@ -1,0 +1,229 @@
+// Filter-basis convolution on CUDA (SPEC.md section 3; interspace pruning
+// eq. 4, 6, 8, Alg. 1): the three ops of csrc/cpu/fb_reconstruct.cpp and
+// csrc/cpu/fb_conv2d.cpp with simple, obviously correct kernels.
+//
+// * fb_reconstruct: one thread per filter tap h[m, k] = sum_n lam mu g[n, k].
+// * sparse path: one thread per basis map entry Z[b, c, n, p] (im2col fused with
+//   the K^2 x N transform), then one thread per output Y[b, o, p] summing the
+//   CSR row o of lam * mu against Z (eq. 8). Sums in at::opmath_type.
+// * fb_conv2d counts the non-zeros with ATen ops, takes the dense path
+//   (reconstruct + conv2d, cuDNN) above max_density and builds the CSR with
+//   ATen ops otherwise.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "prunopt/fb_checks.h"
+#include "prunopt/fb_conv.h"
+
+namespace prunopt {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+inline int64_t blocks_for(int64_t n) { return (n + kThreads - 1) / kThreads; }
+
+template <typename scalar_t>
+__global__ void reconstruct_kernel(const scalar_t* __restrict__ lam, const scalar_t* __restrict__ mu,
+                                   const scalar_t* __restrict__ g, int64_t rows, int64_t n, int64_t k,
+                                   scalar_t* __restrict__ h) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * k) return;
+  const int64_t m = i / k, kk = i % k;
+  acc_t acc = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    acc_t c = static_cast<acc_t>(lam[m * n + j]);
+    if (mu != nullptr) c *= static_cast<acc_t>(mu[m * n + j]);
+    acc += c * static_cast<acc_t>(g[j * k + kk]);
+  }
+  h[i] = static_cast<scalar_t>(acc);
+}
+
+at::Tensor fb_reconstruct_cuda(const at::Tensor& coefficients, const at::Tensor& basis,
+                               const c10::optional<at::Tensor>& mask) {
+  check_fb_reconstruct_args(coefficients, basis, mask, "fb_reconstruct");
+  const c10::cuda::CUDAGuard guard(coefficients.device());
+  const int64_t c_out = coefficients.size(0), c_in_g = coefficients.size(1), n = coefficients.size(2);
+  const int64_t kh = basis.size(1), kw = basis.size(2);
+  auto out = at::empty({c_out, c_in_g, kh, kw}, coefficients.options());
+  if (out.numel() == 0) return out;
+  auto lam = coefficients.contiguous();
+  auto mu = mask.has_value() ? mask->contiguous() : at::Tensor();
+  auto g = basis.contiguous();
+  const int64_t total = out.numel();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lam.scalar_type(), "fb_reconstruct_cuda", [&] {
+    reconstruct_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
+        lam.data_ptr<scalar_t>(), mu.defined() ? mu.data_ptr<scalar_t>() : nullptr, g.data_ptr<scalar_t>(),
+        c_out * c_in_g, n, kh * kw, out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+struct Geometry {
+  int64_t batch, c_in, h, w, n, kh, kw, ho, wo, sh, sw, ph, pw, dh, dw, c_out, groups;
+};
+
+// Z[b, c, n, p] = sum_{ky, kx} g[n, ky, kx] X[b, c, oy*sh + ky*dh - ph, ox*sw + kx*dw - pw]
+template <typename scalar_t>
+__global__ void basis_maps_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g, Geometry G,
+                                  scalar_t* __restrict__ z) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t P = G.ho * G.wo;
+  const int64_t total = G.batch * G.c_in * G.n * P;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int64_t p = i % P;
+  const int64_t n = (i / P) % G.n;
+  const int64_t bc = i / (P * G.n);
+  const int64_t oy = p / G.wo, ox = p % G.wo;
+  const scalar_t* xc = x + bc * G.h * G.w;
+  const scalar_t* gn = g + n * G.kh * G.kw;
+  acc_t acc = 0;
+  for (int64_t ky = 0; ky < G.kh; ++ky) {
+    const int64_t iy = oy * G.sh + ky * G.dh - G.ph;
+    if (iy < 0 || iy >= G.h) continue;
+    for (int64_t kx = 0; kx < G.kw; ++kx) {
+      const int64_t ix = ox * G.sw + kx * G.dw - G.pw;
+      if (ix < 0 || ix >= G.w) continue;
+      acc += static_cast<acc_t>(gn[ky * G.kw + kx]) * static_cast<acc_t>(xc[iy * G.w + ix]);
+    }
+  }
+  z[i] = static_cast<scalar_t>(acc);
+}
+
+// Y[b, o, p] = bias[o] + sum_{e in row o} val[e] Z[b, group(o) * C_in/groups * N + col[e], p]   (eq. 8)
+template <typename scalar_t>
+__global__ void csr_mix_kernel(const scalar_t* __restrict__ z, const int32_t* __restrict__ crow,
+                               const int32_t* __restrict__ col, const scalar_t* __restrict__ val,
+                               const scalar_t* __restrict__ bias, Geometry G, scalar_t* __restrict__ y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t P = G.ho * G.wo;
+  const int64_t total = G.batch * G.c_out * P;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int64_t p = i % P;
+  const int64_t o = (i / P) % G.c_out;
+  const int64_t b = i / (P * G.c_out);
+  const int64_t c_in_g = G.c_in / G.groups;
+  const int64_t grp = o / (G.c_out / G.groups);
+  const scalar_t* zg = z + ((b * G.c_in + grp * c_in_g) * G.n) * P + p;
+  acc_t acc = bias != nullptr ? static_cast<acc_t>(bias[o]) : acc_t(0);
+  for (int32_t e = crow[o]; e < crow[o + 1]; ++e) {
+    acc += static_cast<acc_t>(val[e]) * static_cast<acc_t>(zg[static_cast<int64_t>(col[e]) * P]);
+  }
+  y[i] = static_cast<scalar_t>(acc);
+}
+
+Geometry geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_out, at::IntArrayRef stride,
+                  at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, const std::vector<int64_t>& out) {
+  return Geometry{input.size(0), input.size(1), input.size(2), input.size(3), basis.size(0), basis.size(1),
+      basis.size(2), out[2], out[3], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], c_out,
+      groups};
+}
+
+at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const at::Tensor& col,
+    const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
+  auto y = at::empty({G.batch, G.c_out, G.ho, G.wo}, input.options());
+  if (y.numel() == 0) return y;
+  auto x = input.contiguous();
+  auto g = basis.contiguous();
+  auto z = at::empty({G.batch, G.c_in, G.n, G.ho * G.wo}, input.options());
+  auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "fb_conv2d_cuda", [&] {
+    if (z.numel() > 0) {
+      basis_maps_kernel<scalar_t><<<blocks_for(z.numel()), kThreads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), G, z.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    csr_mix_kernel<scalar_t><<<blocks_for(y.numel()), kThreads, 0, stream>>>(
+        z.data_ptr<scalar_t>(), crow.data_ptr<int32_t>(), col.data_ptr<int32_t>(), values.data_ptr<scalar_t>(),
+        b.defined() ? b.data_ptr<scalar_t>() : nullptr, G, y.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return y;
+}
+
+at::Tensor reconstruct(const at::Tensor& coefficients, const at::Tensor& basis, const c10::optional<at::Tensor>& mask) {
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("prunopt::fb_reconstruct", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
+  return op.call(coefficients, basis, mask);
+}
+
+at::Tensor fb_conv2d_cuda(const at::Tensor& input, const at::Tensor& coefficients, const at::Tensor& basis,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double max_density) {
+  const char* op = "fb_conv2d";
+  check_fb_reconstruct_args(coefficients, basis, mask, op);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t c_out = coefficients.size(0), c_in_g = coefficients.size(1), n = coefficients.size(2);
+  const auto out = check_fb_conv_args(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op);
+  TORCH_CHECK_VALUE(c_in_g * n < (int64_t(1) << 31) && coefficients.numel() < (int64_t(1) << 31), op,
+      ": coefficients too large for int32 CSR indices");
+  auto lam_mu = mask.has_value() ? coefficients * *mask : coefficients.contiguous();
+  auto flat = lam_mu.reshape({c_out, c_in_g * n});
+  auto nz = flat.ne(0);
+  const int64_t nnz = nz.sum().item<int64_t>();
+  const double density = coefficients.numel() ? static_cast<double>(nnz) / coefficients.numel() : 0.0;
+  if (density > max_density) {
+    return at::conv2d(input, reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
+        .contiguous();
+  }
+  auto crow = at::zeros({c_out + 1}, nz.options().dtype(at::kLong));
+  crow.narrow(0, 1, c_out).copy_(nz.sum(1).cumsum(0));
+  auto col = nz.nonzero().select(1, 1).to(at::kInt).contiguous();
+  auto values = flat.masked_select(nz);  // row-major, the order of nonzero()
+  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  return sparse_forward(input, crow.to(at::kInt), col, values, basis, bias, G);
+}
+
+at::Tensor fb_conv2d_csr_cuda(const at::Tensor& input, const at::Tensor& crow_indices, const at::Tensor& col_indices,
+    const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  const char* op = "fb_conv2d_csr";
+  TORCH_CHECK_VALUE(basis.dim() == 3, op, ": basis must have shape (N, kh, kw), got ", basis.sizes());
+  check_fb_csr_args(crow_indices, col_indices, values, basis, op);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t c_out = crow_indices.numel() - 1;
+  TORCH_CHECK_VALUE(input.dim() == 4, op, ": input must have shape (B, C_in, H, W), got ", input.sizes());
+  TORCH_CHECK_VALUE(groups >= 1 && input.size(1) % groups == 0, op, ": groups must divide C_in = ", input.size(1));
+  const int64_t c_in_g = input.size(1) / groups;
+  const auto out = check_fb_conv_args(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op);
+  auto crow = crow_indices.contiguous();
+  auto col = col_indices.contiguous();
+  // a malformed CSR must be an error, never an out-of-bounds read
+  const int64_t row_len = c_in_g * basis.size(0);
+  auto crow_cpu = crow.cpu();
+  const int32_t* rp = crow_cpu.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(rp[0] == 0 && rp[c_out] == col.numel(), op,
+      ": crow_indices must start at 0 and end at nnz = ", col.numel());
+  for (int64_t o = 0; o < c_out; ++o) {
+    TORCH_CHECK_VALUE(rp[o] <= rp[o + 1], op, ": crow_indices must be non-decreasing");
+  }
+  if (col.numel() > 0) {
+    TORCH_CHECK_VALUE(col.min().item<int32_t>() >= 0 && col.max().item<int32_t>() < row_len, op,
+        ": col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
+  }
+  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  return sparse_forward(input, crow, col, values.contiguous(), basis, bias, G);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace prunopt
+
+TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
+  m.impl("fb_reconstruct", &prunopt::cuda::fb_reconstruct_cuda);
+  m.impl("fb_conv2d", &prunopt::cuda::fb_conv2d_cuda);
+  m.impl("fb_conv2d_csr", &prunopt::cuda::fb_conv2d_csr_cuda);
+}

@@ -1,0 +1,82 @@
+// Argument checks of the filter-basis convolution ops (host only; SPEC.md
+// section 3). Every failure is a ValueError (TORCH_CHECK_VALUE) naming the
+// argument, so the raw ops are as safe as the Python wrappers.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include "prunopt/fb_conv.h"
+
+namespace prunopt {
+
+inline void check_fb_basis(const at::Tensor& basis, int64_t n, c10::ScalarType dtype, c10::Device device,
+                           const char* op) {
+  TORCH_CHECK_VALUE(basis.dim() == 3, op, ": basis must have shape (N, kh, kw), got ", basis.sizes());
+  TORCH_CHECK_VALUE(basis.size(0) == n, op, ": basis has ", basis.size(0),
+      " elements but the coefficients have N = ", n);
+  TORCH_CHECK_VALUE(basis.scalar_type() == dtype, op, ": basis must have dtype ", dtype, ", got ",
+      basis.scalar_type());
+  TORCH_CHECK_VALUE(basis.device() == device, op, ": basis must be on ", device, ", got ", basis.device());
+}
+
+inline void check_fb_reconstruct_args(const at::Tensor& coefficients, const at::Tensor& basis,
+                                      const c10::optional<at::Tensor>& mask, const char* op) {
+  TORCH_CHECK_VALUE(coefficients.dim() == 3, op,
+      ": coefficients must have shape (C_out, C_in/groups, N), got ", coefficients.sizes());
+  TORCH_CHECK_VALUE(coefficients.is_floating_point(), op, ": coefficients must be a floating tensor, got ",
+      coefficients.scalar_type());
+  check_fb_basis(basis, coefficients.size(2), coefficients.scalar_type(), coefficients.device(), op);
+  if (mask.has_value()) {
+    TORCH_CHECK_VALUE(mask->sizes() == coefficients.sizes(), op, ": mask must have the shape of coefficients ",
+        coefficients.sizes(), ", got ", mask->sizes());
+    TORCH_CHECK_VALUE(mask->scalar_type() == coefficients.scalar_type(), op,
+        ": mask must have the dtype of coefficients (", coefficients.scalar_type(), "), got ", mask->scalar_type());
+    TORCH_CHECK_VALUE(mask->device() == coefficients.device(), op, ": mask must be on ", coefficients.device());
+  }
+}
+
+// Checks input / bias / conv arguments; returns the output size {B, C_out, Ho, Wo}.
+inline std::vector<int64_t> check_fb_conv_args(const at::Tensor& input, int64_t c_out, int64_t c_in_g,
+    const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, const char* op) {
+  TORCH_CHECK_VALUE(input.dim() == 4, op, ": input must have shape (B, C_in, H, W), got ", input.sizes());
+  TORCH_CHECK_VALUE(input.scalar_type() == basis.scalar_type(), op, ": input must have dtype ",
+      basis.scalar_type(), ", got ", input.scalar_type());
+  TORCH_CHECK_VALUE(input.device() == basis.device(), op, ": input must be on ", basis.device());
+  TORCH_CHECK_VALUE(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2, op,
+      ": stride, padding and dilation must have two entries");
+  TORCH_CHECK_VALUE(stride[0] >= 1 && stride[1] >= 1, op, ": stride must be >= 1, got ", stride);
+  TORCH_CHECK_VALUE(padding[0] >= 0 && padding[1] >= 0, op, ": padding must be >= 0, got ", padding);
+  TORCH_CHECK_VALUE(dilation[0] >= 1 && dilation[1] >= 1, op, ": dilation must be >= 1, got ", dilation);
+  TORCH_CHECK_VALUE(groups >= 1 && c_out % groups == 0, op, ": groups must be >= 1 and divide C_out = ", c_out,
+      ", got ", groups);
+  TORCH_CHECK_VALUE(input.size(1) == c_in_g * groups, op, ": input has ", input.size(1),
+      " channels but the coefficients with groups=", groups, " expect ", c_in_g * groups);
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == c_out, op, ": bias must have shape (", c_out,
+        ",), got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->scalar_type() == basis.scalar_type() && bias->device() == basis.device(), op,
+        ": bias must have the dtype and device of basis");
+  }
+  const int64_t ho = fb::out_size(input.size(2), basis.size(1), stride[0], padding[0], dilation[0]);
+  const int64_t wo = fb::out_size(input.size(3), basis.size(2), stride[1], padding[1], dilation[1]);
+  TORCH_CHECK_VALUE(ho >= 1 && wo >= 1, op, ": input ", input.sizes(), " is smaller than the dilated kernel");
+  return {input.size(0), c_out, ho, wo};
+}
+
+inline void check_fb_csr_args(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& values,
+                              const at::Tensor& basis, const char* op) {
+  TORCH_CHECK_VALUE(crow.dim() == 1 && crow.numel() >= 2 && crow.scalar_type() == at::kInt, op,
+      ": crow_indices must be a 1-D int32 tensor of length C_out + 1, got ", crow.sizes(), " ", crow.scalar_type());
+  TORCH_CHECK_VALUE(col.dim() == 1 && col.scalar_type() == at::kInt, op,
+      ": col_indices must be a 1-D int32 tensor, got ", col.sizes(), " ", col.scalar_type());
+  TORCH_CHECK_VALUE(values.dim() == 1 && values.numel() == col.numel(), op,
+      ": values must be 1-D with as many entries as col_indices (", col.numel(), "), got ", values.sizes());
+  TORCH_CHECK_VALUE(values.scalar_type() == basis.scalar_type(), op, ": values must have dtype ",
+      basis.scalar_type(), ", got ", values.scalar_type());
+  TORCH_CHECK_VALUE(crow.device() == basis.device() && col.device() == basis.device() &&
+      values.device() == basis.device(), op, ": crow_indices, col_indices and values must be on ", basis.device());
+}
+
+}  // namespace prunopt

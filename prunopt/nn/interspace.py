@@ -1,0 +1,506 @@
+"""Filter-basis convolution layers for interspace pruning (SPEC.md §3; Wimmer
+et al., "Interspace Pruning", CVPR 2022). See ``docs/interspace.md``.
+
+* :class:`FilterBasis` holds ``N`` filters ``g^(1..N)`` of size ``kh × kw``
+  (a basis when ``N = kh*kw``, a dictionary otherwise), shareable by layers.
+* :class:`FBConv2d` is a drop-in ``nn.Conv2d`` whose filters are
+  ``h[o,i] = sum_n lam[o,i,n] mu[o,i,n] g^(n)`` (eq. 4) with coefficients
+  ``lam``, a 0/1 mask ``mu`` (interspace pruning masks ``lam``) and a basis.
+* :func:`to_interspace` converts a model in place (fine / coarse / custom
+  sharing, Sec. 4.3; 1×1 convolutions stay standard, App. H).
+* :func:`interspace_param_groups`, :func:`pruning_rates` (eq. 9),
+  :func:`interspace_flops` (App. D), :func:`sparse_storage` (App. C, eq. A.2)
+  and :func:`interspace_report`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.utils import _pair, _reverse_repeat_tuple
+
+from prunopt import ops, ops_interspace
+
+__all__ = [
+    "FilterBasis",
+    "FBConv2d",
+    "to_interspace",
+    "interspace_param_groups",
+    "pruning_rates",
+    "interspace_flops",
+    "sparse_storage",
+    "interspace_report",
+]
+
+_INITS = ("standard", "orthonormal", "random")
+
+
+class FilterBasis(nn.Module):
+    r"""A filter basis (``N = kh*kw``) or dictionary (any ``N``) ``{g^(1), ..., g^(N)}``
+    of ``kh × kw`` filters (Sec. 4.2, App. G), held in the Parameter ``weight``
+    of shape ``(N, kh, kw)``. One instance may be shared by many
+    :class:`FBConv2d` layers (Sec. 4.3).
+
+    Initialisations (App. G):
+
+    * ``"standard"`` (Alg. A1): ``g^(n) = e^(n)``, the standard basis, so an
+      FB layer is an ordinary convolution at initialisation. Needs ``N = kh*kw``.
+    * ``"orthonormal"`` (Alg. A2): Gram-Schmidt (QR) of a Gaussian matrix, a random
+      orthonormal basis. Needs ``N = kh*kw``.
+    * ``"random"`` (Alg. A3): Gaussian dictionary rescaled to pixelwise mean
+      ``1/N`` and variance ``1/N - 1/N^2`` (eq. A.68-A.74), so kaiming-normal
+      coefficients give kaiming-normal spatial weights in distribution.
+
+    Args:
+        kernel_size: ``K`` or ``(kh, kw)``.
+        size: ``N`` (default ``kh*kw``).
+        init: one of ``"standard"``, ``"orthonormal"``, ``"random"``.
+        generator: optional ``torch.Generator`` for the random inits.
+    """
+
+    def __init__(self, kernel_size, size: Optional[int] = None, init: str = "standard", *,
+                 generator: Optional[torch.Generator] = None, device=None, dtype=None):
+        super().__init__()
+        kh, kw = _pair(kernel_size)
+        if kh < 1 or kw < 1:
+            raise ValueError(f"kernel_size must be positive, got {(kh, kw)}")
+        n = kh * kw if size is None else size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        if init not in _INITS:
+            raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+        if init in ("standard", "orthonormal") and n != kh * kw:
+            raise ValueError(f"init={init!r} needs size == kh*kw = {kh * kw}, got {n}; use init='random' for a dictionary")
+        self.kernel_size = (kh, kw)
+        self.init = init
+        self.weight = nn.Parameter(torch.empty(n, kh, kw, device=device, dtype=dtype))
+        self.reset_parameters(generator)
+
+    @property
+    def size(self) -> int:
+        """``N``, the number of basis elements."""
+        return self.weight.shape[0]
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        n, (kh, kw) = self.size, self.kernel_size
+        m = kh * kw
+        if self.init == "standard":  # Alg. A1, l. 3
+            w = torch.eye(m, dtype=torch.float64)
+        elif self.init == "orthonormal":  # Alg. A2, l. 3-4 (QR = Gram-Schmidt)
+            q, r = torch.linalg.qr(torch.randn(m, m, generator=generator, dtype=torch.float64))
+            w = (q * torch.sign(torch.diagonal(r))).T  # rows are the orthonormal g^(n)
+        else:  # Alg. A3, l. 3-5
+            g = torch.randn(n, m, generator=generator, dtype=torch.float64)
+            mean, std = g.mean(0, keepdim=True), g.std(0, unbiased=False, keepdim=True)
+            if n > 1:
+                w = math.sqrt(1.0 / n - 1.0 / n**2) * (g - mean) / std + 1.0 / n
+            else:
+                w = torch.ones(1, m, dtype=torch.float64)  # N = 1: mean 1, variance 0
+        self.weight.copy_(w.reshape(n, kh, kw).to(self.weight.dtype))
+
+    def matrix(self) -> Tensor:
+        """``Psi`` of eq. A.19 as ``(kh*kw, N)``: spatial coefficients ``phi = Psi @ lam``."""
+        return self.weight.reshape(self.size, -1).T
+
+    def forward(self) -> Tensor:  # pragma: no cover - a container, not a layer
+        return self.weight
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, kernel_size={self.kernel_size}, init={self.init!r}"
+
+
+class FBConv2d(nn.Module):
+    r"""2D convolution in filter-basis (interspace) form (eq. 4, 6, 8; Alg. 1).
+
+    .. math::
+        h^{(o,i)} = \sum_{n=1}^{N} \lambda_n^{(o,i)} \mu_n^{(o,i)} g^{(n)}, \qquad
+        Y^{(o)} = \sum_i h^{(o,i)} \star X^{(i)} + b_o
+
+    Same call signature and output as ``nn.Conv2d`` (stride, padding including
+    ``"same"``/``"valid"``, dilation, groups, bias, padding_mode).
+
+    Attributes:
+        coefficients: Parameter ``lam`` of shape ``(C_out, C_in/groups, N)``,
+            kaiming-normal ``N(0, 2/(C_in/groups * kh*kw))`` by default (Alg. A1;
+            Alg. A2 maps spatial kaiming weights by ``lam = Psi^T phi``; Alg. A3
+            draws ``lam`` directly).
+        basis: the :class:`FilterBasis` (possibly shared with other layers).
+        mask: buffer ``mu`` (float 0/1, shape of ``coefficients``): interspace
+            pruning masks coefficients, not spatial weights (Sec. 4.4).
+        bias: optional Parameter ``(C_out,)``.
+
+    In training (or whenever a gradient is needed) the forward pass reconstructs
+    the masked filters with a fused kernel and calls ``conv2d``; in inference
+    with a sparse mask it runs eq. 8 on a cached CSR of ``lam * mu`` (rebuilt
+    when ``coefficients`` or ``mask`` change).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", basis: Optional[FilterBasis] = None,
+                 *, init: Optional[str] = None, device=None, dtype=None):
+        super().__init__()
+        for name, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
+        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise ValueError(f"padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got {padding_mode!r}")
+        kernel_size = _pair(kernel_size)
+        if basis is None:
+            basis = FilterBasis(kernel_size, init=init or "standard", device=device, dtype=dtype)
+        elif not isinstance(basis, FilterBasis):
+            raise TypeError(f"basis must be a FilterBasis or None, got {type(basis).__name__}")
+        elif tuple(basis.kernel_size) != kernel_size:
+            raise ValueError(f"basis has kernel_size {basis.kernel_size} but the layer has {kernel_size}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size = kernel_size
+        self.stride, self.dilation = _pair(stride), _pair(dilation)
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise ValueError(f"padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
+            if padding == "same" and self.stride != (1, 1):
+                raise ValueError("padding='same' is not supported for strided convolutions")
+            self.padding = padding
+        else:
+            self.padding = _pair(padding)
+        self.groups, self.padding_mode = groups, padding_mode
+        self.basis = basis
+        factory = dict(device=basis.weight.device if device is None else device,
+                       dtype=basis.weight.dtype if dtype is None else dtype)
+        self.coefficients = nn.Parameter(torch.empty(out_channels, in_channels // groups, basis.size, **factory))
+        self.register_buffer("mask", torch.ones(out_channels, in_channels // groups, basis.size, **factory))
+        self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        self._compressed = None
+        self._compressed_key = None
+        self.reset_parameters()
+
+    # -- initialisation -----------------------------------------------------------------
+    def _fan_in(self) -> int:
+        return (self.in_channels // self.groups) * self.kernel_size[0] * self.kernel_size[1]
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """Kaiming-normal interspace initialisation (App. G, Alg. A1-A3)."""
+        std = math.sqrt(2.0 / self._fan_in())  # eq. A.67
+        n, m = self.basis.size, self.kernel_size[0] * self.kernel_size[1]
+        shape = self.coefficients.shape
+        if self.basis.init == "orthonormal" and n == m:  # Alg. A2, l. 5-7: lam = Psi^T phi
+            phi = torch.randn(shape[0] * shape[1], m, generator=generator, dtype=torch.float64) * std
+            lam = phi @ self.basis.matrix().detach().double()
+            self.coefficients.copy_(lam.reshape(shape))
+        else:  # Alg. A1 / A3: lam ~ N(0, sigma_h^2)
+            self.coefficients.copy_(torch.randn(shape, generator=generator, dtype=torch.float64) * std)
+        if self.bias is not None:  # as nn.Conv2d
+            bound = 1.0 / math.sqrt(self._fan_in())
+            self.bias.uniform_(-bound, bound, generator=generator)
+
+    # -- forward ------------------------------------------------------------------------
+    def reconstruct(self) -> Tensor:
+        """Masked spatial filters ``(C_out, C_in/groups, kh, kw)`` (eq. 4), differentiable."""
+        return ops.fb_reconstruct(self.coefficients, self.basis.weight, self.mask)
+
+    def _explicit_padding(self) -> Optional[Tuple[int, int, int, int]]:
+        """Padding for ``F.pad`` (left, right, top, bottom) when it is not the
+        symmetric zero padding that conv2d does itself; None otherwise."""
+        if self.padding == "valid":
+            return None
+        if self.padding == "same":
+            pads = []
+            for d, k in zip(reversed(self.dilation), reversed(self.kernel_size)):
+                total = d * (k - 1)
+                pads += [total // 2, total - total // 2]
+            if self.padding_mode == "zeros" and all(pads[i] == pads[i + 1] for i in (0, 2)):
+                return None
+            return tuple(pads)
+        if self.padding_mode == "zeros":
+            return None
+        return tuple(_reverse_repeat_tuple(self.padding, 2))
+
+    def _conv_padding(self) -> Tuple[int, int]:
+        if self.padding == "valid" or self._explicit_padding() is not None:
+            return (0, 0)
+        if self.padding == "same":
+            return tuple(d * (k - 1) // 2 for d, k in zip(self.dilation, self.kernel_size))
+        return self.padding
+
+    def _compressed_coefficients(self):
+        key = (self.coefficients._version, self.mask._version, self.coefficients.data_ptr(), self.mask.data_ptr(),
+               self.coefficients.device, self.coefficients.dtype)
+        if self._compressed is None or self._compressed_key != key:
+            self._compressed = ops.fb_compress(self.coefficients.detach(), self.mask)
+            self._compressed_key = key
+        return self._compressed
+
+    def density(self) -> float:
+        """Fraction of non-zero masked coefficients ``||lam * mu||_0 / numel``."""
+        with torch.no_grad():
+            return float(((self.coefficients * self.mask) != 0).sum()) / max(1, self.coefficients.numel())
+
+    def forward(self, input: Tensor) -> Tensor:
+        pad = self._explicit_padding()
+        if pad is not None:
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            input = F.pad(input, pad, mode=mode)
+        padding = self._conv_padding()
+        needs_grad = torch.is_grad_enabled() and (
+            input.requires_grad or self.coefficients.requires_grad or self.basis.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+        )
+        if not needs_grad and not self.training and not torch.compiler.is_compiling():
+            comp = self._compressed_coefficients()
+            if comp.values.numel() <= ops_interspace.AUTO_MAX_DENSITY * self.coefficients.numel():
+                return ops.fb_conv2d_compressed(input, comp, self.basis.weight, self.bias, self.stride, padding,
+                                                self.dilation, self.groups)
+            return ops.fb_conv2d(input, self.coefficients, self.basis.weight, self.mask, self.bias, self.stride,
+                                 padding, self.dilation, self.groups, path="dense")
+        return ops.fb_conv2d(input, self.coefficients, self.basis.weight, self.mask, self.bias, self.stride, padding,
+                             self.dilation, self.groups)
+
+    # -- conversions (App. E) -------------------------------------------------------------
+    def _conv_kwargs(self) -> dict:
+        return dict(kernel_size=self.kernel_size, stride=self.stride, padding=self.padding, dilation=self.dilation,
+                    groups=self.groups, bias=self.bias is not None, padding_mode=self.padding_mode)
+
+    @torch.no_grad()
+    def to_conv2d(self) -> nn.Conv2d:
+        """An ``nn.Conv2d`` with the same function: ``phi = Psi (lam * mu)`` (eq. A.19),
+        computed in float64 and rounded once. The sparsity of ``lam`` is lost
+        (App. D: converting a pruned FB layer is not advisable for speed)."""
+        conv = nn.Conv2d(self.in_channels, self.out_channels, device=self.coefficients.device,
+                         dtype=self.coefficients.dtype, **self._conv_kwargs())
+        h = torch.einsum("oin,nkl->oikl", (self.coefficients * self.mask).double(), self.basis.weight.double())
+        conv.weight.copy_(h)
+        if self.bias is not None:
+            conv.bias.copy_(self.bias)
+        return conv
+
+    @classmethod
+    @torch.no_grad()
+    def from_conv2d(cls, conv: nn.Conv2d, basis: Optional[FilterBasis] = None) -> "FBConv2d":
+        """An FB layer with the function of ``conv`` in the basis ``basis`` (App. E):
+        ``lam = Psi^{-1} phi`` (eq. A.20), or the Moore-Penrose pseudo-inverse for a
+        dictionary (exact when the dictionary spans ``R^{kh x kw}``, a least-squares
+        fit otherwise). Computed in float64; the mask is all ones. ``basis=None``
+        uses a new standard basis (then ``lam = phi`` exactly)."""
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"conv must be an nn.Conv2d, got {type(conv).__name__}")
+        w = conv.weight
+        if basis is None:
+            basis = FilterBasis(conv.kernel_size, device=w.device, dtype=w.dtype)
+        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                    conv.groups, conv.bias is not None, conv.padding_mode, basis=basis, device=w.device, dtype=w.dtype)
+        phi = w.detach().double().reshape(w.shape[0] * w.shape[1], -1)  # rows: spatial coefficients
+        psi = basis.matrix().detach().double()  # (kh*kw, N)
+        if basis.init == "standard" and torch.equal(psi, torch.eye(psi.shape[0], dtype=psi.dtype, device=psi.device)):
+            lam = phi
+        elif psi.shape[0] == psi.shape[1]:
+            lam = torch.linalg.solve(psi, phi.T).T  # eq. A.20
+        else:
+            lam = (torch.linalg.pinv(psi) @ phi.T).T  # App. E.1, pseudo inverse
+        layer.coefficients.copy_(lam.reshape(layer.coefficients.shape))
+        if conv.bias is not None:
+            layer.bias.copy_(conv.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+             f"padding={self.padding}, N={self.basis.size}")
+        if self.dilation != (1, 1):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode!r}"
+        return s
+
+
+# -- model conversion (Sec. 4.3, App. H) ------------------------------------------------------------
+
+SharingFn = Callable[[str, nn.Conv2d], Optional[Hashable]]
+
+
+def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", init: str = "standard",
+                  size: Optional[int] = None, generator: Optional[torch.Generator] = None) -> nn.Module:
+    """Converts every ``nn.Conv2d`` with a kernel larger than 1×1 of ``model`` into an
+    :class:`FBConv2d` in place, with the same function (App. E); 1×1 convolutions
+    stay standard (Sec. 4.3, App. H). Returns ``model``.
+
+    Args:
+        sharing: ``"fine"`` one basis per layer; ``"coarse"`` one basis per kernel
+            size for the whole model; or a callable ``(name, conv) -> key`` whose
+            equal keys share a basis ("medium" sharing, e.g. per ResNet stage) and
+            ``None`` leaves that convolution standard.
+        init: basis initialisation (App. G): ``"standard"`` (Alg. A1),
+            ``"orthonormal"`` (Alg. A2) or ``"random"`` (Alg. A3). The
+            coefficients are the exact change of basis of the current weights.
+        size: dictionary size ``N`` for ``init="random"`` (default ``kh*kw``;
+            with ``N < kh*kw`` the conversion is a least-squares fit, not exact).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(sharing, str):
+        if sharing not in ("fine", "coarse"):
+            raise ValueError(f"sharing must be 'fine', 'coarse' or a callable, got {sharing!r}")
+    elif not callable(sharing):
+        raise TypeError(f"sharing must be 'fine', 'coarse' or a callable, got {type(sharing).__name__}")
+    if init not in _INITS:
+        raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Conv2d) and type(m).__name__ != "FBConv2d" and max(m.kernel_size) > 1]
+    bases: Dict[Hashable, FilterBasis] = {}
+    for name, conv in targets:
+        if sharing == "fine":
+            key = ("fine", name)
+        elif sharing == "coarse":
+            key = ("coarse", tuple(conv.kernel_size))
+        else:
+            key = sharing(name, conv)
+            if key is None:
+                continue
+            key = ("custom", key, tuple(conv.kernel_size))
+        if key not in bases:
+            bases[key] = FilterBasis(conv.kernel_size, size=size, init=init, generator=generator,
+                                     device=conv.weight.device, dtype=conv.weight.dtype)
+        layer = FBConv2d.from_conv2d(conv, bases[key])
+        layer.train(conv.training)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer)
+    return model
+
+
+def interspace_param_groups(model: nn.Module, weight_decay: float, **options) -> List[dict]:
+    """Optimizer param groups with ``weight_decay`` on everything but the filter bases,
+    which get none (App. B.3; SPEC.md §3). Shared bases appear once.
+
+    >>> opt = torch.optim.SGD(interspace_param_groups(model, 5e-4), lr=0.1, momentum=0.9)
+    """
+    basis_ids = {id(m.weight) for m in model.modules() if isinstance(m, FilterBasis)}
+    decay, no_decay = [], []
+    for p in model.parameters():  # deduplicated by torch
+        (no_decay if id(p) in basis_ids else decay).append(p)
+    groups = [dict(params=decay, weight_decay=weight_decay, **options)]
+    if no_decay:
+        groups.append(dict(params=no_decay, weight_decay=0.0, **options))
+    return groups
+
+
+# -- counts: eq. 9, App. C, App. D -----------------------------------------------------------------
+
+def _prunable(model: nn.Module):
+    """(name, effective prunable tensor, dense count) for every prunable tensor:
+    masked FB coefficients, conv weights and linear weights (Sec. 4.4)."""
+    for name, m in model.named_modules():
+        if isinstance(m, FBConv2d):
+            yield name, (m.coefficients * m.mask).detach(), m.coefficients.numel()
+        elif isinstance(m, (nn.Conv2d, nn.Linear)):
+            w = m.weight.detach()
+            mask = getattr(m, "weight_mask", None)  # torch.nn.utils.prune
+            yield name, (w if mask is None else w * mask), w.numel()
+
+
+def pruning_rates(model: nn.Module) -> Dict[str, float]:
+    """Pruning rates of eq. 9.
+
+    ``p_SP = 1 - ||Lambda||_0 / D`` and ``p_IP = 1 - (||Lambda||_0 + sum_j ||F_j||_0) / D``
+    with ``Lambda`` the prunable weights (FB coefficients, conv and linear
+    weights; not bases, biases or norms) and ``D`` their number in the standard
+    network. Every distinct basis counts once.
+    """
+    nonzero = total = 0
+    for _, w, n in _prunable(model):
+        nonzero += int((w != 0).sum())
+        total += n
+    basis_nnz = sum(int((m.weight != 0).sum()) for m in {id(b): b for b in model.modules() if isinstance(b, FilterBasis)}.values())
+    if total == 0:
+        return dict(p_SP=0.0, p_IP=0.0, D=0, nonzero=0, basis_nonzero=basis_nnz)
+    return dict(p_SP=1.0 - nonzero / total, p_IP=1.0 - (nonzero + basis_nnz) / total, D=total, nonzero=nonzero,
+                basis_nonzero=basis_nnz)
+
+
+def interspace_flops(model: nn.Module, example_input: Tensor) -> Dict[str, float]:
+    """Forward FLOPs of App. D for one call of ``model(example_input)``.
+
+    FB layer (eq. A.8 with groups and a dictionary of N elements):
+    ``2 nnz(lam*mu) d1 d2 + 2 C_in kh kw N d1 d2``; standard conv (eq. A.7):
+    ``2 nnz(w) d1 d2``; linear ``2 nnz(W)`` per row of the input. ``dense`` is
+    the standard dense network (``2 C_out C_in/groups kh kw d1 d2``).
+    """
+    out = dict(dense=0.0, sparse=0.0, basis_overhead=0.0)
+    hooks = []
+
+    def conv_hook(m, inp, y):
+        d = y.shape[-1] * y.shape[-2] * (y.shape[0] if y.dim() == 4 else 1)
+        kk = m.kernel_size[0] * m.kernel_size[1]
+        out["dense"] += 2.0 * m.out_channels * (m.in_channels // m.groups) * kk * d
+        if isinstance(m, FBConv2d):
+            nnz = int(((m.coefficients * m.mask) != 0).sum())
+            over = 2.0 * m.in_channels * kk * m.basis.size * d  # Alg. 1, l. 7-8
+            out["sparse"] += 2.0 * nnz * d + over
+            out["basis_overhead"] += over
+        else:
+            out["sparse"] += 2.0 * int((m.weight != 0).sum()) * d
+
+    def linear_hook(m, inp, y):
+        rows = y.numel() // m.out_features
+        out["dense"] += 2.0 * m.weight.numel() * rows
+        out["sparse"] += 2.0 * int((m.weight != 0).sum()) * rows
+
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, FBConv2d)):
+            hooks.append(m.register_forward_hook(conv_hook))
+        elif isinstance(m, nn.Linear):
+            hooks.append(m.register_forward_hook(linear_hook))
+    try:
+        with torch.no_grad():
+            model(example_input)
+    finally:
+        for h in hooks:
+            h.remove()
+    out["ratio"] = out["sparse"] / out["dense"] if out["dense"] else float("nan")
+    return out
+
+
+def sparse_storage(numel: int, nonzero: int, value_bits: int = 32, index_bits: int = 32, rows: int = 1) -> Dict[str, float]:
+    """Bytes to store ``numel`` weights with ``nonzero`` non-zeros (App. C):
+
+    * ``dense``: ``numel * value_bits / 8``;
+    * ``csr``: values + column indices + ``rows + 1`` row pointers;
+    * ``entropy``: the ideal mask code of eq. A.2,
+      ``numel (H(p) + (1-p) value_bits) / 8`` with ``H(p) = -p log2 p - (1-p) log2(1-p)``,
+      i.e. ``H(p)/32 + (1-p)`` of the dense size for 32-bit values.
+    """
+    if numel <= 0:
+        return dict(dense=0.0, csr=0.0, entropy=0.0)
+    p = 1.0 - nonzero / numel
+    h = 0.0 if p in (0.0, 1.0) else -p * math.log2(p) - (1 - p) * math.log2(1 - p)  # eq. A.2
+    return dict(
+        dense=numel * value_bits / 8,
+        csr=(nonzero * (value_bits + index_bits) + (rows + 1) * index_bits) / 8,
+        entropy=numel * (h + (1 - p) * value_bits) / 8,
+    )
+
+
+def interspace_report(model: nn.Module, example_input: Optional[Tensor] = None) -> Dict[str, object]:
+    """Pruning rates (eq. 9), storage (App. C; bases stored densely on top) and,
+    with ``example_input``, forward FLOPs (App. D) of ``model``."""
+    rates = pruning_rates(model)
+    storage = dict(dense=0.0, csr=0.0, entropy=0.0)
+    for _, w, n in _prunable(model):
+        s = sparse_storage(n, int((w != 0).sum()), rows=w.shape[0])
+        for k in storage:
+            storage[k] += s[k]
+    basis_bytes = 4.0 * sum(b.weight.numel() for b in {id(b): b for b in model.modules() if isinstance(b, FilterBasis)}.values())
+    storage["bases"] = basis_bytes
+    report: Dict[str, object] = dict(rates)
+    report["storage_bytes"] = storage
+    if example_input is not None:
+        report["flops"] = interspace_flops(model, example_input)
+    return report

@@ -1,0 +1,326 @@
+"""Filter-basis convolution ops of interspace pruning (SPEC.md §3, paper eq. 4-8,
+Alg. 1). Re-exported by :mod:`prunopt.ops`; see ``docs/interspace.md``.
+
+Three custom ops (schemas in ``csrc/ops.cpp``):
+
+* ``prunopt::fb_reconstruct(coefficients, basis, mask)``: the fused
+  reconstruction ``h = (lam * mu) @ basis`` (eq. 4), the training path's only
+  extra work before ``conv2d``.
+* ``prunopt::fb_conv2d(input, coefficients, basis, mask, bias, stride, padding,
+  dilation, groups, max_density)``: eq. 6/8. If the mask density is at most
+  ``max_density`` the kernel computes eq. 8 over the non-zero coefficients
+  (im2col, a K²×N transform per input channel, a CSR × dense product);
+  otherwise it reconstructs and calls ``conv2d``.
+* ``prunopt::fb_conv2d_csr(input, crow, col, values, basis, bias, ...)``: the
+  sparse path on coefficients already compressed by :func:`fb_compress` (what
+  ``FBConv2d`` caches in inference), so the CSR is not rebuilt per call.
+
+All three have autograd (eq. 7, A.12-A.14), fake kernels and a pure-PyTorch
+fallback (``prunopt.reference.interspace``) when the extension is missing.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from prunopt._extension import extension_available
+from prunopt.reference.interspace import (
+    _pair,
+    fb_conv2d_sparse_reference,
+    fb_reconstruct_reference,
+    validate_fb_args,
+)
+
+__all__ = ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "AUTO_MAX_DENSITY"]
+
+#: ``path="auto"`` uses the sparse kernel (eq. 8) when no gradient is needed and
+#: the density of the mask is at most this (measured on VGG16-CIFAR layers at
+#: batch 1, bench/bench_fb_conv2d.py; the kernel falls back to reconstruct +
+#: conv2d above it).
+AUTO_MAX_DENSITY = 0.3
+
+
+def _kernel_devices(op: str) -> frozenset:
+    if not extension_available():
+        return frozenset()
+    keys = {"cpu": "CPU", "cuda": "CUDA"}
+    try:
+        return frozenset(d for d, k in keys.items() if torch._C._dispatch_has_kernel_for_dispatch_key(f"prunopt::{op}", k))
+    except RuntimeError:  # an extension built before this op existed: use the reference
+        return frozenset()
+
+
+_RECON_DEVICES = _kernel_devices("fb_reconstruct")
+_CONV_DEVICES = _kernel_devices("fb_conv2d")
+_CSR_DEVICES = _kernel_devices("fb_conv2d_csr")
+
+
+def _mask_like(mask: Optional[Tensor], coefficients: Tensor) -> Optional[Tensor]:
+    if mask is None or mask.dtype == coefficients.dtype:
+        return mask
+    return mask.to(coefficients.dtype)
+
+
+def fb_reconstruct(coefficients: Tensor, basis: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    r"""Masked spatial filters of a filter-basis convolution (eq. 4, A.16).
+
+    .. math:: h^{(o,i)} = \sum_{n=1}^{N} \lambda_n^{(o,i)} \mu_n^{(o,i)} g^{(n)}
+
+    Args:
+        coefficients: ``lam`` of shape ``(C_out, C_in/groups, N)``.
+        basis: ``(N, kh, kw)``, the filter basis/dictionary ``g^(1..N)``.
+        mask: optional ``mu`` with the shape of ``coefficients`` (0/1, any dtype).
+
+    Returns:
+        ``h`` of shape ``(C_out, C_in/groups, kh, kw)``. Differentiable in
+        ``coefficients`` (gradient masked, eq. 7/A.13) and ``basis`` (eq. A.14).
+    """
+    validate_fb_args(None, coefficients, basis, mask)
+    mask = _mask_like(mask, coefficients)
+    if coefficients.device.type in _RECON_DEVICES:
+        return torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
+    return fb_reconstruct_reference(coefficients, basis, mask)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def fb_conv2d(
+    input: Tensor,
+    coefficients: Tensor,
+    basis: Tensor,
+    mask: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+    *,
+    path: str = "auto",
+) -> Tensor:
+    r"""Filter-basis 2D convolution (eq. 6, 8; Alg. 1).
+
+    .. math::
+        Y^{(o)} = \sum_{i} \sum_{n:\, \mu_n^{(o,i)} = 1} \lambda_n^{(o,i)}
+                  \bigl(g^{(n)} \star X^{(i)}\bigr) + b_o
+
+    with stride, padding (zeros), dilation and groups as in ``F.conv2d``.
+
+    Args:
+        input: ``(B, C_in, H, W)`` or ``(C_in, H, W)``; any memory format.
+        coefficients: ``(C_out, C_in/groups, N)``.
+        basis: ``(N, kh, kw)``; ``N`` need not be ``kh*kw`` (a dictionary).
+        mask: optional, shape of ``coefficients``; ``None`` means dense.
+        bias: optional ``(C_out,)``.
+        path: ``"dense"`` reconstructs the filters with the fused kernel and
+            calls ``conv2d`` (the training path); ``"sparse"`` computes eq. 8
+            over the non-zero coefficients only (im2col, a K²×N transform per
+            input channel, a CSR × dense product); ``"auto"`` (default) takes
+            the dense path when a gradient is needed and otherwise lets the
+            kernel choose sparse when the mask density is at most
+            :data:`AUTO_MAX_DENSITY`. All paths agree to rounding and are
+            differentiable (eq. 7, A.12-A.14).
+    """
+    stride, padding, dilation, groups = validate_fb_args(input, coefficients, basis, mask, bias, stride, padding, dilation, groups)
+    if path not in ("auto", "dense", "sparse"):
+        raise ValueError(f"path must be 'auto', 'dense' or 'sparse', got {path!r}")
+    mask = _mask_like(mask, coefficients)
+    if path == "dense" or (path == "auto" and _needs_grad(input, coefficients, basis, bias)):
+        return F.conv2d(input, fb_reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
+    max_density = 1.0 if path == "sparse" else AUTO_MAX_DENSITY
+    if input.device.type in _CONV_DEVICES:
+        batched = input.dim() == 4
+        x = input if batched else input.unsqueeze(0)
+        y = torch.ops.prunopt.fb_conv2d(x, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density)
+        return y if batched else y.squeeze(0)
+    return fb_conv2d_sparse_reference(input, coefficients, basis, mask, bias, stride, padding, dilation, groups)
+
+
+class FBCompressed(NamedTuple):
+    """Masked coefficients in CSR form (App. C): row ``o`` holds the non-zero
+    ``lam[o,i,n] * mu[o,i,n]`` at columns ``i*N + n`` (int32 indices)."""
+
+    crow_indices: Tensor
+    col_indices: Tensor
+    values: Tensor
+    shape: tuple  # (C_out, C_in/groups, N)
+
+
+def fb_compress(coefficients: Tensor, mask: Optional[Tensor] = None) -> FBCompressed:
+    """CSR of the masked coefficients ``lam * mu`` (zeros dropped), for
+    :func:`fb_conv2d_compressed`. Not differentiable (an inference cache)."""
+    validate_fb_args(None, coefficients, coefficients.new_empty(coefficients.shape[2], 1, 1), mask)
+    with torch.no_grad():
+        lam = coefficients if mask is None else coefficients * _mask_like(mask, coefficients)
+        rows = lam.reshape(lam.shape[0], -1)
+        nz = rows != 0
+        counts = nz.sum(dim=1)
+        crow = torch.zeros(rows.shape[0] + 1, dtype=torch.int64, device=rows.device)
+        crow[1:] = torch.cumsum(counts, 0)
+        idx = nz.nonzero()
+        col = idx[:, 1].to(torch.int32)
+        values = rows[idx[:, 0], idx[:, 1]].contiguous()
+    return FBCompressed(crow.to(torch.int32), col, values, tuple(coefficients.shape))
+
+
+def fb_conv2d_compressed(
+    input: Tensor,
+    compressed: FBCompressed,
+    basis: Tensor,
+    bias: Optional[Tensor] = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+) -> Tensor:
+    """Eq. 8 with coefficients already compressed by :func:`fb_compress` (the
+    inference cache of ``FBConv2d``). Same result as :func:`fb_conv2d`."""
+    if not isinstance(compressed, FBCompressed):
+        raise TypeError(f"compressed must be an FBCompressed (from fb_compress), got {type(compressed).__name__}")
+    c_out, c_in_g, n = compressed.shape
+    if not isinstance(basis, Tensor) or basis.dim() != 3 or basis.shape[0] != n:
+        raise ValueError(f"basis must have shape ({n}, kh, kw) to match the compressed coefficients {compressed.shape}")
+    if compressed.values.dtype != basis.dtype or compressed.values.device != basis.device:
+        raise ValueError(
+            f"compressed values must have the dtype and device of basis ({basis.dtype}, {basis.device}), "
+            f"got {compressed.values.dtype}, {compressed.values.device}"
+        )
+    # shapes, conv arguments and input are checked against a meta stand-in of the coefficients
+    meta = torch.empty(compressed.shape, dtype=basis.dtype, device="meta")
+    validate_fb_args(None, meta, basis.to("meta"), None, None if bias is None else bias.to("meta"))
+    stride, padding, dilation, groups = validate_fb_args(
+        None if input is None else input.to("meta") if isinstance(input, Tensor) else input,
+        meta, basis.to("meta"), None, None, stride, padding, dilation, groups,
+    )
+    if isinstance(bias, Tensor) and (bias.device != basis.device):
+        raise ValueError(f"bias must be on the device of basis ({basis.device}), got {bias.device}")
+    if input.device != basis.device:
+        raise ValueError(f"input must be on the device of basis ({basis.device}), got {input.device}")
+    if input.device.type in _CSR_DEVICES:
+        batched = input.dim() == 4
+        x = input if batched else input.unsqueeze(0)
+        y = torch.ops.prunopt.fb_conv2d_csr(
+            x, compressed.crow_indices, compressed.col_indices, compressed.values, basis, bias,
+            stride, padding, dilation, groups,
+        )
+        return y if batched else y.squeeze(0)
+    coeff = _decompress(compressed)
+    return fb_conv2d_sparse_reference(input, coeff, basis, None, bias, stride, padding, dilation, groups)
+
+
+def _decompress(compressed: FBCompressed) -> Tensor:
+    c_out, c_in_g, n = compressed.shape
+    crow = compressed.crow_indices.long()
+    rows = torch.repeat_interleave(torch.arange(c_out, device=crow.device), crow[1:] - crow[:-1])
+    dense = compressed.values.new_zeros(c_out, c_in_g * n)
+    dense.index_put_((rows, compressed.col_indices.long()), compressed.values)
+    return dense.reshape(c_out, c_in_g, n)
+
+
+def fb_conv_out_shape(input: Tensor, c_out, basis: Tensor, stride, padding, dilation):
+    """``(B, C_out, Ho, Wo)`` of a 4-D input, as ``conv2d``."""
+    ho = (input.shape[2] + 2 * padding[0] - dilation[0] * (basis.shape[1] - 1) - 1) // stride[0] + 1
+    wo = (input.shape[3] + 2 * padding[1] - dilation[1] * (basis.shape[2] - 1) - 1) // stride[1] + 1
+    return (input.shape[0], c_out, ho, wo)
+
+
+# -- autograd (eq. 7, A.12-A.14) ---------------------------------------------------------------
+
+def _reconstruct_grads(grad_h: Tensor, lam_mu: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool, need_basis: bool):
+    """``dL/dlam = <g^(n), dL/dh> * mu`` (eq. 7, A.13) and ``dL/dg^(n) = sum lam mu dL/dh`` (A.14),
+    as two matrix products over the flattened filters."""
+    n = basis.shape[0]
+    gh = grad_h.reshape(-1, grad_h.shape[2] * grad_h.shape[3])  # (C_out*C_in/g, kh*kw)
+    g_lam = g_basis = None
+    if need_lam:
+        g_lam = (gh @ basis.reshape(n, -1).T).reshape(lam_mu.shape)
+        if mask is not None:
+            g_lam = g_lam * mask
+    if need_basis:
+        g_basis = (lam_mu.reshape(-1, n).T @ gh).reshape(basis.shape)
+    return g_lam, g_basis
+
+
+def _masked(coefficients: Tensor, mask: Optional[Tensor]) -> Tensor:
+    return coefficients if mask is None else coefficients * mask
+
+
+def _conv_backward(grad: Tensor, input: Tensor, h: Tensor, has_bias: bool, stride, padding, dilation, groups, needs):
+    """``dL/dX``, ``dL/dh`` (= dL/dY * X, eq. A.11) and ``dL/db`` of ``conv2d``."""
+    return torch.ops.aten.convolution_backward(
+        grad, input, h, [h.shape[0]] if has_bias else None, list(stride), list(padding), list(dilation),
+        False, [0, 0], groups, [needs[0], needs[1], needs[2] and has_bias],
+    )
+
+
+def _fb_reconstruct_setup(ctx, inputs, output):
+    coefficients, basis, mask = inputs
+    ctx.save_for_backward(coefficients, basis, mask)
+
+
+def _fb_reconstruct_backward(ctx, grad_h):
+    coefficients, basis, mask = ctx.saved_tensors
+    g_lam, g_basis = _reconstruct_grads(grad_h, _masked(coefficients, mask), basis, mask,
+                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    return g_lam, g_basis, None
+
+
+def _fb_conv2d_setup(ctx, inputs, output):
+    input, coefficients, basis, mask, bias, stride, padding, dilation, groups, _ = inputs
+    ctx.save_for_backward(input, coefficients, basis, mask)
+    ctx.conv = (bias is not None, stride, padding, dilation, groups)
+
+
+def _fb_conv2d_backward(ctx, grad):
+    input, coefficients, basis, mask = ctx.saved_tensors
+    has_bias, stride, padding, dilation, groups = ctx.conv
+    need = ctx.needs_input_grad
+    lam_mu = _masked(coefficients, mask)
+    h = torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
+    g_in, g_h, g_b = _conv_backward(grad.contiguous(), input, h, has_bias, stride, padding, dilation, groups,
+                                    (need[0], need[1] or need[2], need[4]))
+    g_lam = g_basis = None
+    if need[1] or need[2]:
+        g_lam, g_basis = _reconstruct_grads(g_h, lam_mu, basis, mask, need[1], need[2])
+    return g_in, g_lam, g_basis, None, g_b, None, None, None, None, None
+
+
+def _csr_rows(crow: Tensor) -> Tensor:
+    c_out = crow.shape[0] - 1
+    return torch.repeat_interleave(torch.arange(c_out, device=crow.device), (crow[1:] - crow[:-1]).long())
+
+
+def _fb_conv2d_csr_setup(ctx, inputs, output):
+    input, crow, col, values, basis, bias, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(input, crow, col, values, basis)
+    ctx.conv = (bias is not None, stride, padding, dilation, groups)
+
+
+def _fb_conv2d_csr_backward(ctx, grad):
+    input, crow, col, values, basis = ctx.saved_tensors
+    has_bias, stride, padding, dilation, groups = ctx.conv
+    need = ctx.needs_input_grad
+    c_out, n = crow.shape[0] - 1, basis.shape[0]
+    c_in_g = input.shape[1] // groups
+    rows, cols = _csr_rows(crow), col.long()
+    lam = values.new_zeros(c_out, c_in_g * n).index_put((rows, cols), values).reshape(c_out, c_in_g, n)
+    h = torch.ops.prunopt.fb_reconstruct(lam, basis, None)
+    g_in, g_h, g_b = _conv_backward(grad.contiguous(), input, h, has_bias, stride, padding, dilation, groups,
+                                    (need[0], need[3] or need[4], need[5]))
+    g_vals = g_basis = None
+    if need[3] or need[4]:
+        g_lam, g_basis = _reconstruct_grads(g_h, lam, basis, None, need[3], need[4])
+        if need[3]:
+            g_vals = g_lam.reshape(c_out, -1)[rows, cols]  # only the stored non-zeros train
+    return g_in, None, None, g_vals, g_basis, g_b, None, None, None, None
+
+
+def register_fb_autograd() -> None:
+    """Registers the backward formulas above for the three FB ops."""
+    torch.library.register_autograd("prunopt::fb_reconstruct", _fb_reconstruct_backward, setup_context=_fb_reconstruct_setup)
+    torch.library.register_autograd("prunopt::fb_conv2d", _fb_conv2d_backward, setup_context=_fb_conv2d_setup)
+    torch.library.register_autograd("prunopt::fb_conv2d_csr", _fb_conv2d_csr_backward, setup_context=_fb_conv2d_csr_setup)

@@ -1,0 +1,424 @@
+"""Pruning masks for standard weights (``Conv2d``/``Linear``) and interspace
+coefficients (``FBConv2d``) alike, kept consistent with the optimizer state.
+
+A *prunable tensor* is a (module, parameter) pair named by its fully-qualified
+name (FQN), e.g. ``"features.0.weight"`` or ``"features.3.coefficients"``:
+
+* ``nn.Conv2d`` / ``nn.Linear``: the ``weight``.  The mask is installed as a
+  ``torch.nn.utils.parametrize`` parametrization :class:`WeightMask`, so the
+  module computes with ``weight = original * mask`` (the convention of
+  ``torch.ao.pruning``); the state dict holds
+  ``<module>.parametrizations.weight.original`` and
+  ``<module>.parametrizations.weight.0.mask``.
+* ``prunopt.nn.FBConv2d``: the ``coefficients`` ``lam``; the layer already
+  computes with ``lam * mu`` using its own ``mask`` buffer ``mu`` (SPEC.md §3,
+  paper Sec. 4.4), which the masker writes.
+
+Bases (``FilterBasis.weight``), biases and normalisation parameters are never
+prunable (SPEC.md §3, paper Sec. 4.4).
+
+**Invariant.** For every pruned entry ``(mu = 0)`` the stored parameter, its
+gradient and every per-element optimizer state tensor (momentum buffers,
+Adam's ``exp_avg``/``exp_avg_sq``, Adagrad's ``sum``, PrunAdag accumulators,
+any state tensor with the parameter's shape) are exactly zero after
+:meth:`Masker.step`.  The gradient is masked by autograd through the product
+``w * mu``; the parameter and the state are multiplied by ``mu`` after every
+optimizer step, so the invariant holds for optimizers that would otherwise move
+a zero-gradient entry (weight decay, Adam's bias correction, unknown
+accumulators).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+__all__ = [
+    "WeightMask",
+    "PrunableTensor",
+    "prunable_tensors",
+    "is_fb_conv",
+    "Masker",
+    "remove_masks",
+]
+
+
+def is_fb_conv(module: nn.Module) -> bool:
+    """True for ``prunopt.nn.FBConv2d`` (an interspace convolution whose
+    coefficients ``lam`` (paper eq. 6) are the prunable tensor)."""
+    try:
+        from prunopt.nn import FBConv2d  # type: ignore[attr-defined]
+    except ImportError:  # the interspace layers are not available
+        return False
+    return isinstance(module, FBConv2d)
+
+
+class WeightMask(nn.Module):
+    """Parametrization ``w -> w * mu`` with a binary mask buffer ``mu`` of the
+    weight's shape and dtype (paper Sec. 4.4: ``h * mu_bar`` for SP).
+
+    The product masks the gradient, ``dL/dw = mu * dL/d(w * mu)``, so pruned
+    entries receive a zero gradient."""
+
+    def __init__(self, mask: Tensor):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.mask
+
+
+@dataclass
+class PrunableTensor:
+    """One prunable tensor: ``name`` (tensor FQN), the owning ``module`` and its
+    FQN ``module_name``, and ``attr`` (``"weight"`` or ``"coefficients"``)."""
+
+    name: str
+    module_name: str
+    module: nn.Module
+    attr: str
+
+    @property
+    def interspace(self) -> bool:
+        """True for FB coefficients ``lam`` (IP), False for spatial weights (SP)."""
+        return self.attr == "coefficients"
+
+    @property
+    def parameter(self) -> nn.Parameter:
+        """The trainable tensor the optimizer updates (the parametrization's
+        ``original`` for a masked Conv2d/Linear)."""
+        m = self.module
+        if self.attr == "weight" and parametrize.is_parametrized(m, "weight"):
+            return m.parametrizations.weight.original
+        return getattr(m, self.attr)
+
+    @property
+    def mask(self) -> Optional[Tensor]:
+        """The mask buffer (``None`` for an unmasked Conv2d/Linear)."""
+        m = self.module
+        if self.interspace:
+            return m.mask
+        if parametrize.is_parametrized(m, "weight"):
+            for p in m.parametrizations.weight:
+                if isinstance(p, WeightMask):
+                    return p.mask
+        return None
+
+    def effective(self) -> Tensor:
+        """The weight the layer computes with: ``w * mu`` (or ``lam * mu``)."""
+        mask = self.mask
+        p = self.parameter
+        return p if mask is None else p * mask.to(p.dtype)
+
+    @property
+    def spatial_numel(self) -> int:
+        """Number of weights of the equivalent standard layer, ``D_l`` in eq. 9:
+        ``C_out * C_in/groups * K * K`` for an FB layer, ``numel`` otherwise."""
+        p = self.parameter
+        if not self.interspace:
+            return p.numel()
+        k = self.module.basis.weight.shape[-1]
+        return p.shape[0] * p.shape[1] * k * k
+
+    @property
+    def spatial_shape(self) -> tuple:
+        """Shape of the equivalent standard weight (used by ERK, eq. A.76)."""
+        p = self.parameter
+        if not self.interspace:
+            return tuple(p.shape)
+        k = self.module.basis.weight.shape[-1]
+        return (p.shape[0], p.shape[1], k, k)
+
+
+def _names_match(pt: PrunableTensor, names: Iterable[str]) -> bool:
+    return any(n in (pt.name, pt.module_name) for n in names)
+
+
+def prunable_tensors(
+    model: nn.Module,
+    include: Optional[Sequence[str]] = None,
+    exclude: Optional[Sequence[str]] = None,
+) -> "OrderedDict[str, PrunableTensor]":
+    """The prunable tensors of ``model`` in module order, keyed by tensor FQN.
+
+    ``Conv2d``/``Linear`` contribute ``weight``; ``FBConv2d`` contributes
+    ``coefficients`` (its basis is not prunable; the FB layer's submodules are
+    not visited).  ``include``/``exclude`` take module or tensor FQNs; a name
+    that matches nothing raises ``ValueError`` naming it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    found: "OrderedDict[str, PrunableTensor]" = OrderedDict()
+    skip_prefixes: List[str] = []
+    for mname, m in model.named_modules():
+        if any(mname.startswith(p) for p in skip_prefixes):
+            continue
+        if is_fb_conv(m):
+            found[_join(mname, "coefficients")] = PrunableTensor(_join(mname, "coefficients"), mname, m, "coefficients")
+            skip_prefixes.append(mname + "." if mname else "")
+        elif isinstance(m, (nn.Conv2d, nn.Linear)):
+            found[_join(mname, "weight")] = PrunableTensor(_join(mname, "weight"), mname, m, "weight")
+    for argname, names in (("include", include), ("exclude", exclude)):
+        if names is None:
+            continue
+        if isinstance(names, str):
+            raise TypeError(f"{argname} must be a sequence of layer names, not a string")
+        unknown = [n for n in names if not any(_names_match(pt, [n]) for pt in found.values())]
+        if unknown:
+            raise ValueError(
+                f"{argname}: unknown layer name(s) {unknown}; prunable layers are {[pt.module_name for pt in found.values()]}"
+            )
+    if include is not None:
+        found = OrderedDict((k, v) for k, v in found.items() if _names_match(v, include))
+    if exclude is not None:
+        found = OrderedDict((k, v) for k, v in found.items() if not _names_match(v, exclude))
+    return found
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class Masker:
+    """Masks for the prunable tensors of a model, consistent with its optimizers.
+
+    ``Masker(model, optimizers)`` installs an all-ones mask on every prunable
+    tensor (selected with ``include``/``exclude``); pruning methods call
+    :meth:`set_masks`.  Call :meth:`step` after every ``optimizer.step()``: it
+    multiplies each prunable parameter and every per-element optimizer state
+    tensor by its mask, so for a pruned entry ``w_j = 0`` and all its state is 0
+    (the masked gradient ``mu * g`` is produced by autograd).
+
+    Example::
+
+        masker = Masker(model, optimizer)
+        masker.set_masks(global_masks(magnitude_scores(masker), sparsity=0.9))
+        for x, y in data:
+            optimizer.zero_grad(); loss_fn(model(x), y).backward()
+            optimizer.step(); masker.step()
+        masker.remove()       # plain model with zeros
+
+    ``state_dict()`` holds the masks keyed by tensor FQN (no module references).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]] = None,
+        include: Optional[Sequence[str]] = None,
+        exclude: Optional[Sequence[str]] = None,
+        zero_state_every_step: bool = True,
+    ):
+        self.model = model
+        self.tensors = prunable_tensors(model, include, exclude)
+        if not self.tensors:
+            raise ValueError("model has no prunable tensors (Conv2d/Linear weights or FBConv2d coefficients)")
+        self.optimizers: List[torch.optim.Optimizer] = []
+        if optimizers is not None:
+            self.attach(optimizers)
+        self.zero_state_every_step = bool(zero_state_every_step)
+        for pt in self.tensors.values():
+            if pt.mask is None:
+                w = pt.module.weight
+                parametrize.register_parametrization(pt.module, "weight", WeightMask(torch.ones_like(w)), unsafe=True)
+
+    # ----------------------------------------------------------------- access
+    def attach(self, optimizers) -> None:
+        """Also keep the state of ``optimizers`` masked (one or a sequence)."""
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        for o in optimizers:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(o).__name__}")
+            if o not in self.optimizers:
+                self.optimizers.append(o)
+
+    def names(self) -> List[str]:
+        """Tensor FQNs of the masked tensors, in module order."""
+        return list(self.tensors)
+
+    def __getitem__(self, name: str) -> PrunableTensor:
+        """The :class:`PrunableTensor` of a tensor or module FQN (``ValueError`` if unknown)."""
+        return self.tensors[self._check_name(name)]
+
+    def _check_name(self, name: str) -> str:
+        if name in self.tensors:
+            return name
+        for pt in self.tensors.values():
+            if pt.module_name == name:
+                return pt.name
+        raise ValueError(f"unknown layer name {name!r}; masked tensors are {list(self.tensors)}")
+
+    def parameters(self) -> List[Tensor]:
+        """The trainable prunable tensors (``original`` weights / coefficients)."""
+        return [pt.parameter for pt in self.tensors.values()]
+
+    def masks(self) -> "OrderedDict[str, Tensor]":
+        """Boolean copies of the masks, keyed by tensor FQN."""
+        return OrderedDict((n, pt.mask.detach().bool().clone()) for n, pt in self.tensors.items())
+
+    def counts(self) -> "OrderedDict[str, int]":
+        """Kept (unpruned) entries per tensor."""
+        return OrderedDict((n, int(pt.mask.count_nonzero())) for n, pt in self.tensors.items())
+
+    def density(self) -> float:
+        """Fraction of prunable entries that are kept, ``||mu||_0 / d``."""
+        kept = sum(self.counts().values())
+        total = sum(pt.parameter.numel() for pt in self.tensors.values())
+        return kept / total
+
+    def sparsity(self) -> float:
+        """Pruning rate ``p = 1 - ||mu||_0 / d`` over the masked tensors."""
+        return 1.0 - self.density()
+
+    # --------------------------------------------------------------- updating
+    def set_masks(self, masks: Mapping[str, Tensor], zero_state: bool = True) -> None:
+        """Replace the masks named in ``masks`` (tensor or module FQN -> 0/1 or
+        bool tensor of the parameter's shape); others are unchanged.
+
+        Everything is validated before anything changes.  Then pruned entries
+        of the parameters (and, with ``zero_state``, of every per-element
+        optimizer state tensor) are zeroed.  Entries that become unpruned keep
+        their current value, which is 0 (regrowth starts at zero, paper App.
+        G.3)."""
+        if not isinstance(masks, Mapping):
+            raise TypeError(f"masks must be a mapping of tensor names to tensors, got {type(masks).__name__}")
+        staged = []
+        for name, m in masks.items():
+            key = self._check_name(name)
+            pt = self.tensors[key]
+            if not isinstance(m, Tensor):
+                raise TypeError(f"masks[{name!r}] must be a tensor, got {type(m).__name__}")
+            if tuple(m.shape) != tuple(pt.parameter.shape):
+                raise ValueError(f"masks[{name!r}] has shape {tuple(m.shape)}, expected {tuple(pt.parameter.shape)}")
+            if m.dtype != torch.bool:
+                if m.is_floating_point() or m.is_complex() or m.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+                    if not bool(((m == 0) | (m == 1)).all()):
+                        raise ValueError(f"masks[{name!r}] must be binary (0/1 or bool)")
+                else:
+                    raise TypeError(f"masks[{name!r}] has unsupported dtype {m.dtype}")
+            staged.append((pt, m.detach().to(device=pt.parameter.device).bool()))
+        with torch.no_grad():
+            for pt, m in staged:
+                buf = pt.mask
+                buf.copy_(m.to(buf.dtype))
+            self._apply([pt for pt, _ in staged], zero_state)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Re-impose the masks after an optimizer step: ``w <- w * mu`` and, unless
+        ``zero_state_every_step=False``, ``s <- s * mu`` for every optimizer state
+        tensor ``s`` of the parameter's shape."""
+        self._apply(list(self.tensors.values()), self.zero_state_every_step)
+
+    apply = step
+
+    def _float_mask(self, pt: PrunableTensor, dtype: torch.dtype) -> Tensor:
+        m = pt.mask
+        return m if m.dtype == dtype else m.to(dtype)
+
+    def _apply(self, pts: List[PrunableTensor], zero_state: bool) -> None:
+        if not pts:
+            return
+        params = [pt.parameter for pt in pts]
+        masks = [self._float_mask(pt, p.dtype) for pt, p in zip(pts, params)]
+        with torch.no_grad():
+            torch._foreach_mul_(params, masks)  # in place on the Parameters: bumps their version counters
+            if not zero_state:
+                return
+            states, smasks = [], []
+            for opt in self.optimizers:
+                for p, m in zip(params, masks):
+                    st = opt.state.get(p)
+                    if not st:
+                        continue
+                    for v in st.values():
+                        if isinstance(v, Tensor) and v.shape == p.shape and v is not p:
+                            states.append(v)
+                            smasks.append(m if v.dtype == m.dtype else m.to(v.dtype))
+            if states:
+                torch._foreach_mul_(states, smasks)
+
+    # ------------------------------------------------------------- gradients
+    def dense_gradients(self, closure) -> "OrderedDict[str, Tensor]":
+        """Gradients of the loss returned by ``closure()`` with respect to the
+        *effective* weights ``w * mu``, including pruned entries (RigL's growth
+        criterion, paper App. G.3).
+
+        Because pruned entries are exactly zero, setting every mask to one does
+        not change the forward pass; the closure runs (forward only; this method
+        calls ``backward``) with all-ones masks, the masks are restored after.
+        Existing ``.grad`` fields are left untouched."""
+        saved = {n: pt.mask.detach().clone() for n, pt in self.tensors.items()}
+        params = self.parameters()
+        try:
+            with torch.no_grad():
+                for pt in self.tensors.values():
+                    pt.mask.fill_(1)
+            with torch.enable_grad():
+                loss = closure()
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise TypeError("closure must return a scalar loss tensor")
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            with torch.no_grad():
+                for n, pt in self.tensors.items():
+                    pt.mask.copy_(saved[n])
+        return OrderedDict(
+            (n, torch.zeros_like(p) if g is None else g.detach()) for n, p, g in zip(self.tensors, params, grads)
+        )
+
+    # ------------------------------------------------------------ state dict
+    def state_dict(self) -> Dict[str, object]:
+        """``{"masks": {tensor FQN: bool mask}, "zero_state_every_step": bool}``."""
+        return {"masks": dict(self.masks()), "zero_state_every_step": self.zero_state_every_step}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore masks saved by :meth:`state_dict` (all tensors must be present)."""
+        if "masks" not in state:
+            raise ValueError("state dict has no 'masks' entry")
+        masks = state["masks"]
+        missing = [n for n in self.tensors if n not in masks]
+        if missing:
+            raise ValueError(f"state dict lacks masks for {missing}")
+        self.set_masks(masks)
+        self.zero_state_every_step = bool(state.get("zero_state_every_step", True))
+
+    # ---------------------------------------------------------------- export
+    def remove(self, to_conv2d: bool = False) -> nn.Module:
+        """Bake the masks in and leave a plain model (see :func:`remove_masks`)."""
+        return remove_masks(self.model, to_conv2d=to_conv2d)
+
+
+def remove_masks(model: nn.Module, to_conv2d: bool = False) -> nn.Module:
+    """Bake every mask into its tensor and leave a plain model.
+
+    Conv2d/Linear: the :class:`WeightMask` parametrization is removed and
+    ``weight`` becomes a plain ``Parameter`` equal to ``w * mu`` (the same
+    Parameter object, so optimizers stay valid).  FBConv2d: ``lam <- lam * mu``;
+    with ``to_conv2d=True`` the layer is replaced by the equivalent
+    ``nn.Conv2d`` (``FBConv2d.to_conv2d()``, paper App. E).  Returns ``model``."""
+    with torch.no_grad():
+        for pt in list(prunable_tensors(model).values()):
+            m = pt.module
+            if pt.interspace:
+                m.coefficients.mul_(m.mask.to(m.coefficients.dtype))
+            elif parametrize.is_parametrized(m, "weight"):
+                others = [p for p in m.parametrizations.weight if not isinstance(p, WeightMask)]
+                if others:
+                    raise ValueError(f"{pt.name} has parametrizations other than WeightMask; remove them first")
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+        if to_conv2d:
+            for name, m in list(model.named_modules()):
+                if is_fb_conv(m):
+                    _replace(model, name, m.to_conv2d())
+    return model
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)

@@ -1,0 +1,452 @@
+"""Pruning methods (paper Sec. 5, App. G; SPEC.md §3), each a small object that
+works beside any optimizer, for spatial weights (SP) and FB coefficients (IP)
+alike (they only see the :class:`~prunopt.pruning.Masker`'s tensors).
+
+The contract, as for LR schedulers: build the method after the optimizer, then
+call ``method.step()`` once after every ``optimizer.step()``.  ``step()``
+re-imposes the masks (parameters and optimizer state, see
+:class:`~prunopt.pruning.Masker`), advances ``last_step`` and changes the masks
+when the method's schedule says so.  ``state_dict()`` / ``load_state_dict()``
+hold the counters (the masks are in the masker's state dict).
+
+* :class:`PruningAtInit` — random, SNIP, GraSP, SynFlow (App. G.4), one shot
+  (SynFlow: 100 rounds with A.81).
+* :class:`LotteryTicket` — iterative magnitude pruning with rewinding to ``t0``
+  (App. G.2, A.75).
+* :class:`DynamicSparseTraining` — SET and RigL (App. G.3, A.76-A.77).
+* :class:`GradualMagnitudePruning` — cubic schedule (App. G.5, A.82).
+* :class:`FineTuning` — one-shot magnitude pruning of a trained model (App. G.6).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from prunopt.pruning.masks import Masker
+from prunopt.pruning.scores import grasp_scores, magnitude_scores, random_scores, snip_scores, synflow_scores
+from prunopt.pruning.selection import (
+    _top_k_mask,
+    check_sparsity,
+    erk_counts,
+    global_masks,
+    kept_count,
+    layerwise_masks,
+)
+
+__all__ = [
+    "PruningMethod",
+    "PruningAtInit",
+    "LotteryTicket",
+    "DynamicSparseTraining",
+    "GradualMagnitudePruning",
+    "FineTuning",
+    "magnitude_prune",
+    "synflow_prune",
+    "gmp_sparsity",
+    "cosine_drop_fraction",
+    "lottery_ticket_trainings",
+]
+
+
+def _check_masker(masker) -> Masker:
+    if not isinstance(masker, Masker):
+        raise TypeError(f"masker must be a prunopt.pruning.Masker, got {type(masker).__name__}")
+    return masker
+
+
+def _check_int(v, name: str, minimum: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+class PruningMethod:
+    """Base class: ``step()`` after every optimizer step, ``last_step`` counts
+    them, ``state_dict()``/``load_state_dict()`` round-trip the counters."""
+
+    _state_keys: Tuple[str, ...] = ("last_step",)
+
+    def __init__(self, masker: Masker):
+        self.masker = _check_masker(masker)
+        self.last_step = 0
+
+    def step(self) -> None:
+        """Re-impose the masks and advance ``last_step``."""
+        self.masker.step()
+        self.last_step += 1
+
+    def state_dict(self) -> Dict[str, object]:
+        """The counters (``last_step`` and method-specific ones); masks live in
+        the masker's state dict."""
+        return {k: copy.deepcopy(getattr(self, k)) for k in self._state_keys}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore counters saved by :meth:`state_dict`."""
+        missing = [k for k in self._state_keys if k not in state]
+        if missing:
+            raise ValueError(f"state dict lacks {missing}")
+        for k in self._state_keys:
+            setattr(self, k, copy.deepcopy(state[k]))
+
+
+# ------------------------------------------------------------- one-shot tools
+def magnitude_prune(masker: Masker, sparsity: float, scope: str = "global", keep_pruned: bool = True) -> None:
+    """Magnitude pruning (A.41/A.42): keep the ``floor((1-p) d)`` largest ``|w|``
+    globally (A.39-A.40) or per layer (``scope="layerwise"``).  With
+    ``keep_pruned`` already-pruned entries score ``-inf`` so they stay pruned."""
+    _check_masker(masker)
+    p = check_sparsity(sparsity)
+    if scope not in ("global", "layerwise"):
+        raise ValueError(f"scope must be 'global' or 'layerwise', got {scope!r}")
+    scores = magnitude_scores(masker)
+    if keep_pruned:
+        masks = masker.masks()
+        scores = OrderedDict((n, s.masked_fill(~masks[n], float("-inf"))) for n, s in scores.items())
+    new = global_masks(scores, p) if scope == "global" else layerwise_masks(scores, p)
+    masker.set_masks(new)
+
+
+def synflow_prune(masker: Masker, sparsity: float, example_input, rounds: int = 100) -> None:
+    """Iterative SynFlow (App. G.4): for ``k = 1..rounds`` compute the SynFlow
+    scores of the currently masked network and keep the largest so that the
+    pruning rate is ``p_k = 1 - (1 - p)^(k / rounds)`` (A.81); pruned entries
+    are never revived."""
+    _check_masker(masker)
+    p = check_sparsity(sparsity)
+    _check_int(rounds, "rounds", 1)
+    for k in range(1, rounds + 1):
+        p_k = 1.0 - (1.0 - p) ** (k / rounds)
+        if k == rounds:
+            p_k = p
+        scores = synflow_scores(masker, example_input)
+        masks = masker.masks()
+        scores = OrderedDict((n, s.masked_fill(~masks[n], float("-inf"))) for n, s in scores.items())
+        masker.set_masks(global_masks(scores, p_k))
+
+
+class PruningAtInit(PruningMethod):
+    """Pruning at initialisation (App. G.4): score once, prune globally
+    (A.39-A.40), then train with fixed masks.
+
+    ``score`` is ``"random"`` (F.2), ``"magnitude"`` (F.3), ``"snip"`` (F.5),
+    ``"grasp"`` (F.6, ranked by ``-S``, i.e. keeping the largest ``(H g) w`` as
+    GraSP's code does) or ``"synflow"`` (F.4, iterative with A.81).  SNIP and
+    GraSP need ``batches`` (BatchNorm in train mode, the paper uses 100 batches
+    on CIFAR-10); SynFlow needs ``example_input``.
+
+    Example::
+
+        pai = PruningAtInit(Masker(model, opt), "snip", sparsity=0.9)
+        pai.prune(batches=[(x, y)])
+        ... optimizer.step(); pai.step()
+    """
+
+    SCORES = ("random", "magnitude", "snip", "grasp", "synflow")
+
+    def __init__(self, masker: Masker, score: str, sparsity: float, synflow_rounds: int = 100,
+                 generator: Optional[torch.Generator] = None, loss_fn=F.cross_entropy):
+        super().__init__(masker)
+        if score not in self.SCORES:
+            raise ValueError(f"score must be one of {self.SCORES}, got {score!r}")
+        self.score = score
+        self.sparsity = check_sparsity(sparsity)
+        self.synflow_rounds = _check_int(synflow_rounds, "synflow_rounds", 1)
+        self.generator = generator
+        self.loss_fn = loss_fn
+
+    def prune(self, batches=None, example_input=None) -> None:
+        """Compute the scores and set the masks (one shot; SynFlow iterative)."""
+        m = self.masker
+        if self.score == "synflow":
+            if example_input is None:
+                if batches is None:
+                    raise ValueError("synflow needs example_input (or batches to take the input shape from)")
+                example_input = next(iter(batches))[0]
+            synflow_prune(m, self.sparsity, example_input, self.synflow_rounds)
+            return
+        if self.score in ("snip", "grasp") and batches is None:
+            raise ValueError(f"{self.score} needs batches of (inputs, targets)")
+        if self.score == "random":
+            s = random_scores(m, self.generator)
+        elif self.score == "magnitude":
+            s = magnitude_scores(m)
+        elif self.score == "snip":
+            s = snip_scores(m, batches, self.loss_fn)
+        else:
+            s = OrderedDict((n, -v) for n, v in grasp_scores(m, batches, self.loss_fn).items())
+        m.set_masks(global_masks(s, self.sparsity))
+
+
+class FineTuning(PruningMethod):
+    """Fine-tuning (App. G.6): one-shot global magnitude pruning (A.41/A.42,
+    A.39-A.40) of a trained dense model, then training of the sparse model with
+    the dense schedule (Renda et al. [68]: start with the high learning rate)."""
+
+    def __init__(self, masker: Masker, sparsity: float, scope: str = "global"):
+        super().__init__(masker)
+        self.sparsity = check_sparsity(sparsity)
+        if scope not in ("global", "layerwise"):
+            raise ValueError(f"scope must be 'global' or 'layerwise', got {scope!r}")
+        self.scope = scope
+
+    def prune(self) -> None:
+        magnitude_prune(self.masker, self.sparsity, self.scope)
+
+
+def gmp_sparsity(t: int, sparsity: float, t0: int, t1: int) -> float:
+    """Cubic schedule (A.82): 0 for ``t < t0``;
+    ``p (1 - (1 - (t - t0)/(t1 - t0))^3)`` for ``t0 <= t <= t1``; ``p`` for
+    ``t > t1`` (A.82 prints 1 there, which contradicts "p is the final pruning
+    rate"; Zhu & Gupta's schedule holds ``p``)."""
+    p = check_sparsity(sparsity)
+    if t < t0:
+        return 0.0
+    if t > t1:
+        return p
+    if t1 == t0:
+        return p
+    return p * (1.0 - (1.0 - (t - t0) / (t1 - t0)) ** 3)
+
+
+class GradualMagnitudePruning(PruningMethod):
+    """Gradual magnitude pruning (App. G.5, Zhu & Gupta / Gale et al. [21]).
+
+    Every ``interval`` (N) optimizer steps, at ``t = k N``, the target rate
+    ``p(t)`` of A.82 (:func:`gmp_sparsity`) is imposed by magnitude: the
+    ``floor((1 - p(t)) d)`` largest ``|w|`` are kept, globally (the paper's
+    reading: "the ``p(kN) d`` weights with smallest magnitude") or per layer.
+    Pruned weights stay pruned."""
+
+    def __init__(self, masker: Masker, sparsity: float, t0: int, t1: int, interval: int, scope: str = "global"):
+        super().__init__(masker)
+        self.sparsity = check_sparsity(sparsity)
+        _check_int(t0, "t0", 0)
+        _check_int(t1, "t1", 0)
+        if t1 < t0:
+            raise ValueError(f"t1 must be >= t0, got t0={t0}, t1={t1}")
+        self.t0, self.t1 = t0, t1
+        self.interval = _check_int(interval, "interval", 1)
+        if scope not in ("global", "layerwise"):
+            raise ValueError(f"scope must be 'global' or 'layerwise', got {scope!r}")
+        self.scope = scope
+        self.current_sparsity = 0.0
+
+    _state_keys = ("last_step", "current_sparsity")
+
+    def step(self) -> None:
+        super().step()
+        t = self.last_step
+        if t % self.interval == 0 and t >= self.t0:
+            p_t = gmp_sparsity(t, self.sparsity, self.t0, self.t1)
+            if p_t > self.current_sparsity:
+                magnitude_prune(self.masker, p_t, self.scope)
+                self.current_sparsity = p_t
+
+
+def lottery_ticket_trainings(sparsity: float, rate: float = 0.2) -> int:
+    """Number of trainings for a lottery ticket of sparsity ``p`` when each round
+    prunes ``rate`` of the remaining weights: ``1 + ceil(log(1-p) / log(1-rate))``
+    (A.75 for ``rate = 0.2``: ``log 4 - log 5 = log 0.8``)."""
+    p = check_sparsity(sparsity)
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"rate must be in (0, 1), got {rate}")
+    if p == 0.0:
+        return 1
+    if p == 1.0:
+        raise ValueError("sparsity 1 cannot be reached by pruning a fraction of the remaining weights")
+    return 1 + math.ceil(math.log(1.0 - p) / math.log(1.0 - rate) - 1e-12)
+
+
+class LotteryTicket(PruningMethod):
+    """Lottery tickets with rewinding (Frankle et al. [19], App. G.2).
+
+    Call :meth:`step` after every optimizer step (and after the LR scheduler's
+    ``step()`` when it is stepped per iteration); at ``last_step == t0`` the
+    model's full state (weights, FBs, BatchNorm statistics), the optimizer's and
+    the LR scheduler's state dicts are saved (``t0 = 0``: at construction).
+    After training to convergence call :meth:`prune_and_rewind`: the 20 % (``rate``)
+    smallest-magnitude remaining weights are pruned globally — fewer in the last
+    round, to hit ``sparsity`` exactly — and model, optimizer, scheduler and
+    ``last_step`` are rewound to ``t0`` while the new masks stay.  The number of
+    trainings is A.75 (:func:`lottery_ticket_trainings`).  Tensors in ``dense``
+    (default: the last prunable tensor when it is a Linear layer, i.e. the
+    classifier) are never pruned; ``sparsity`` refers to the others."""
+
+    def __init__(self, masker: Masker, optimizer: torch.optim.Optimizer, sparsity: float, t0: int = 0,
+                 scheduler=None, rate: float = 0.2, dense: Optional[Sequence[str]] = None):
+        super().__init__(masker)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.sparsity = check_sparsity(sparsity)
+        if self.sparsity == 1.0:
+            raise ValueError("sparsity must be < 1 for lottery tickets")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 < rate < 1.0:
+            raise ValueError(f"rate must be in (0, 1), got {rate!r}")
+        self.rate = float(rate)
+        self.t0 = _check_int(t0, "t0", 0)
+        masker.attach(optimizer)
+        if dense is None:
+            last = list(masker.tensors.values())[-1]
+            dense = [last.name] if isinstance(last.module, nn.Linear) else []
+        self.dense = [masker[n].name for n in dense]  # validates names
+        self.rounds_done = 0
+        self._snapshot = None
+        if self.t0 == 0:
+            self._save()
+
+    _state_keys = ("last_step", "rounds_done")
+
+    def _save(self) -> None:
+        self._snapshot = {
+            "model": copy.deepcopy(self.masker.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict()),
+        }
+
+    def step(self) -> None:
+        super().step()
+        if self.last_step == self.t0 and self._snapshot is None:
+            self._save()
+
+    @property
+    def prunable(self) -> List[str]:
+        """Names of the tensors lottery-ticket rounds prune (all but ``dense``)."""
+        return [n for n in self.masker.tensors if n not in self.dense]
+
+    def current_sparsity(self) -> float:
+        """Pruning rate over the non-dense tensors."""
+        counts = self.masker.counts()
+        total = sum(self.masker[n].parameter.numel() for n in self.prunable)
+        return 1.0 - sum(counts[n] for n in self.prunable) / total
+
+    @property
+    def done(self) -> bool:
+        """True once the target sparsity is reached (then train a final time)."""
+        total = sum(self.masker[n].parameter.numel() for n in self.prunable)
+        kept = sum(self.masker.counts()[n] for n in self.prunable)
+        return kept <= kept_count(self.sparsity, total)
+
+    def prune_and_rewind(self) -> float:
+        """One LT round: prune ``rate`` of the remaining weights by magnitude, then
+        rewind everything to ``t0``.  Returns the new sparsity."""
+        if self._snapshot is None:
+            raise RuntimeError(f"no t0 state yet: step() has been called {self.last_step} times, t0={self.t0}")
+        m = self.masker
+        names = self.prunable
+        masks = m.masks()
+        total = sum(masks[n].numel() for n in names)
+        kept = sum(int(masks[n].sum()) for n in names)
+        target = max(kept_count(self.sparsity, total), math.floor((1.0 - self.rate) * kept + 1e-9))
+        scores = magnitude_scores(m)
+        scores = OrderedDict((n, scores[n].masked_fill(~masks[n], float("-inf"))) for n in names)
+        new = global_masks(scores, 1.0 - target / total)
+        # rewind, then impose the new masks (the t0 snapshot carries t0's masks)
+        m.model.load_state_dict(self._snapshot["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(self._snapshot["optimizer"]))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(self._snapshot["scheduler"]))
+        full = OrderedDict((n, masks[n]) for n in self.dense)
+        full.update(new)
+        m.set_masks(full)
+        self.last_step = self.t0
+        self.rounds_done += 1
+        return self.current_sparsity()
+
+
+def cosine_drop_fraction(t: int, total_steps: int, p_init: float = 0.5, p_min: float = 0.005) -> float:
+    """Drop fraction of DST (A.77): ``p_t = p_min + (p_init - p_min)(1 + cos(pi t / T)) / 2``."""
+    return p_min + 0.5 * (p_init - p_min) * (1.0 + math.cos(math.pi * t / total_steps))
+
+
+class DynamicSparseTraining(PruningMethod):
+    """SET (Mocanu et al. [55]) and RigL (Evci et al. [17]), paper App. G.3.
+
+    At construction the masks are random with Erdős–Rényi-kernel layer counts
+    (A.76, :func:`~prunopt.pruning.erk_counts`; the FB coefficients of a layer
+    get the counts of its spatial weight, so SP and IP have the same layer
+    densities).  Every ``update_interval`` steps (1500 for SET, 4000 for RigL in
+    the paper) while ``t < total_steps``, in every layer ``n_drop = floor(p_t n_l)``
+    of its ``n_l`` active weights are dropped (smallest ``|w|``) and as many
+    weights that were inactive before the update are grown — at random (SET) or
+    with the largest dense-gradient magnitude ``|dL/dw|`` (RigL); ``p_t`` is
+    A.77.  Grown weights start at 0 with zero optimizer state; every layer keeps
+    exactly its count.
+
+    RigL needs the dense gradient: pass ``closure`` (returning the loss of a
+    batch, forward only) to :meth:`step`; it is evaluated on update steps only,
+    through :meth:`Masker.dense_gradients`."""
+
+    def __init__(self, masker: Masker, sparsity: float, total_steps: int, mode: str = "set",
+                 update_interval: Optional[int] = None, p_init: float = 0.5, p_min: float = 0.005,
+                 generator: Optional[torch.Generator] = None):
+        super().__init__(masker)
+        if mode not in ("set", "rigl"):
+            raise ValueError(f"mode must be 'set' or 'rigl', got {mode!r}")
+        self.mode = mode
+        self.sparsity = check_sparsity(sparsity)
+        self.total_steps = _check_int(total_steps, "total_steps", 1)
+        if update_interval is None:
+            update_interval = 1500 if mode == "set" else 4000
+        self.update_interval = _check_int(update_interval, "update_interval", 1)
+        check_sparsity(p_init, "p_init")
+        check_sparsity(p_min, "p_min")
+        self.p_init, self.p_min = float(p_init), float(p_min)
+        self.generator = generator
+        shapes = OrderedDict((n, pt.spatial_shape) for n, pt in masker.tensors.items())
+        self.layer_counts = erk_counts(shapes, 1.0 - self.sparsity)
+        scores = random_scores(masker, generator)
+        masks = OrderedDict()
+        for n, s in scores.items():
+            masks[n] = _top_k_mask(s.reshape(-1).cpu().double(), self.layer_counts[n]).reshape(s.shape).to(s.device)
+        masker.set_masks(masks)
+        self.updates = 0
+
+    _state_keys = ("last_step", "updates")
+
+    def drop_fraction(self, t: Optional[int] = None) -> float:
+        """``p_t`` of A.77 at step ``t`` (default: ``last_step``)."""
+        return cosine_drop_fraction(self.last_step if t is None else t, self.total_steps, self.p_init, self.p_min)
+
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> None:
+        super().step()
+        t = self.last_step
+        if t % self.update_interval == 0 and t < self.total_steps:
+            self.update(closure)
+
+    def update(self, closure: Optional[Callable[[], Tensor]] = None) -> None:
+        """One drop-and-grow update of every layer at drop fraction ``p_t`` (A.77)."""
+        m = self.masker
+        if self.mode == "rigl":
+            if closure is None:
+                raise ValueError("RigL needs closure= (a function returning the loss of one batch) on update steps")
+            grow_scores = OrderedDict((n, g.abs()) for n, g in m.dense_gradients(closure).items())
+        else:
+            grow_scores = random_scores(m, self.generator)
+        p_t = self.drop_fraction()
+        masks = m.masks()
+        mags = magnitude_scores(m)
+        new = OrderedDict()
+        for n, mask in masks.items():
+            flat = mask.reshape(-1).cpu()
+            active = int(flat.sum())
+            n_drop = min(math.floor(p_t * active), flat.numel() - active)
+            if n_drop <= 0:
+                continue
+            mag = mags[n].reshape(-1).cpu().double().masked_fill(~flat, float("-inf"))
+            kept = _top_k_mask(mag, active - n_drop)
+            g = grow_scores[n].reshape(-1).cpu().double().masked_fill(flat, float("-inf"))
+            grown = _top_k_mask(g, n_drop)
+            new[n] = (kept | grown).reshape(mask.shape).to(mask.device)
+        if new:
+            m.set_masks(new)  # zeroes the dropped weights; grown ones are already 0
+        self.updates += 1

@@ -1,0 +1,176 @@
+"""Turning scores into masks: global (A.39-A.40) and layerwise selection, and
+Erdős–Rényi-kernel layer densities (A.76).
+
+**Tie rule.** Scores are ranked by a *stable* descending sort of the scores
+concatenated in the order of the mapping (tensor after tensor, each flattened
+in row-major order).  Among equal scores the entry that comes first in this
+order is kept.  Hence exactly ``k`` entries are kept, deterministically, for
+any scores (including all-equal ones).  ``-inf`` is allowed (such an entry is
+kept only when ``k`` exceeds the number of finite scores); NaN is rejected.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections import OrderedDict
+from typing import Dict, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "check_sparsity",
+    "kept_count",
+    "global_masks",
+    "layerwise_masks",
+    "erk_densities",
+    "erk_counts",
+]
+
+
+def check_sparsity(p, name: str = "sparsity") -> float:
+    """Validate a pruning rate ``p`` in ``[0, 1]`` (a real number, not a bool)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__}")
+    p = float(p)
+    if not (0.0 <= p <= 1.0) or math.isnan(p):
+        raise ValueError(f"{name} must be in [0, 1], got {p}")
+    return p
+
+
+def kept_count(sparsity: float, d: int) -> int:
+    """``k = floor((1 - p) * d)`` (eq. A.39), computed so that e.g. ``p = 0.9,
+    d = 10`` gives 1 and not 0 through rounding of ``1 - 0.9``."""
+    x = (1.0 - sparsity) * d
+    k = math.floor(x + 1e-9 * max(1.0, abs(x)))
+    return max(0, min(d, k))
+
+
+def _check_scores(scores: Mapping[str, Tensor]) -> None:
+    if not isinstance(scores, Mapping) or not scores:
+        raise ValueError("scores must be a non-empty mapping of tensor names to score tensors")
+    for n, s in scores.items():
+        if not isinstance(s, Tensor):
+            raise TypeError(f"scores[{n!r}] must be a tensor, got {type(s).__name__}")
+        if not s.is_floating_point():
+            raise TypeError(f"scores[{n!r}] must be floating point, got {s.dtype}")
+        if bool(torch.isnan(s).any()):
+            raise ValueError(f"scores[{n!r}] contains NaN")
+
+
+def _top_k_mask(flat: Tensor, k: int) -> Tensor:
+    keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    if k > 0:
+        order = torch.sort(flat.double(), descending=True, stable=True).indices
+        keep[order[:k]] = True
+    return keep
+
+
+def global_masks(scores: Mapping[str, Tensor], sparsity: float) -> "OrderedDict[str, Tensor]":
+    """Global selection (eqs. A.39-A.40): with ``d`` the total number of entries,
+    keep the ``k = floor((1 - p) d)`` largest scores over all tensors together,
+    ``mu_j = 1`` iff ``S_j`` is among them (ties: module docstring).
+
+    Returns boolean masks of the scores' shapes, keyed like ``scores``."""
+    p = check_sparsity(sparsity)
+    _check_scores(scores)
+    flat = torch.cat([s.detach().reshape(-1).to("cpu", torch.float64) for s in scores.values()])
+    keep = _top_k_mask(flat, kept_count(p, flat.numel()))
+    out, i = OrderedDict(), 0
+    for n, s in scores.items():
+        out[n] = keep[i : i + s.numel()].reshape(s.shape).to(s.device)
+        i += s.numel()
+    return out
+
+
+def layerwise_masks(
+    scores: Mapping[str, Tensor], sparsity: Union[float, Mapping[str, float]]
+) -> "OrderedDict[str, Tensor]":
+    """Layerwise selection: layer ``l`` keeps its ``floor((1 - p_l) d_l)``
+    largest scores (A.39 per layer; paper App. F.1, used by DST).  ``sparsity``
+    is one rate for all layers or a mapping tensor name -> ``p_l`` covering every
+    scored tensor."""
+    _check_scores(scores)
+    if isinstance(sparsity, Mapping):
+        unknown = [n for n in sparsity if n not in scores]
+        missing = [n for n in scores if n not in sparsity]
+        if unknown:
+            raise ValueError(f"sparsity: unknown layer name(s) {unknown}")
+        if missing:
+            raise ValueError(f"sparsity: no rate for layer(s) {missing}")
+        rates = {n: check_sparsity(sparsity[n], f"sparsity[{n!r}]") for n in scores}
+    else:
+        p = check_sparsity(sparsity)
+        rates = {n: p for n in scores}
+    out = OrderedDict()
+    for n, s in scores.items():
+        flat = s.detach().reshape(-1).to("cpu", torch.float64)
+        out[n] = _top_k_mask(flat, kept_count(rates[n], flat.numel())).reshape(s.shape).to(s.device)
+    return out
+
+
+def erk_densities(
+    shapes: Mapping[str, Sequence[int]], density: float, dense: Optional[Sequence[str]] = None
+) -> "OrderedDict[str, float]":
+    """Erdős–Rényi-kernel layer densities (eq. A.76, RigL [17]).
+
+    Layer ``l`` with weight shape ``(c_out, c_in, K, K)`` (or ``(c_out, c_in)``)
+    gets density ``eps * sum(shape) / prod(shape)``, i.e. sparsity
+    ``1 - eps (c_out + c_in + 2K) / (c_out c_in K^2)``, with the global ``eps``
+    chosen so that ``sum_l density_l n_l = density * sum_l n_l``.  A.76 as printed
+    has ``K`` instead of ``K^2`` in the denominator; we follow RigL's definition
+    (sum of dimensions over their product), which A.76 cites.  Layers whose
+    density would exceed 1 are made dense and ``eps`` is re-solved for the rest
+    (RigL's procedure); names in ``dense`` are dense from the start."""
+    d = check_sparsity(density, "density")
+    if not isinstance(shapes, Mapping) or not shapes:
+        raise ValueError("shapes must be a non-empty mapping of tensor names to shapes")
+    dense = set(dense or [])
+    unknown = dense - set(shapes)
+    if unknown:
+        raise ValueError(f"dense: unknown layer name(s) {sorted(unknown)}")
+    n = {k: math.prod(int(x) for x in s) for k, s in shapes.items()}
+    raw = {k: sum(int(x) for x in s) / n[k] for k, s in shapes.items()}
+    total = sum(n.values())
+    budget = d * total
+    is_dense = {k: (k in dense) for k in shapes}
+    if sum(n[k] for k in shapes if is_dense[k]) > budget + 1e-9:
+        raise ValueError(f"density {d} is too small for the layers required to stay dense")
+    while True:
+        rest_budget = budget - sum(n[k] for k in shapes if is_dense[k])
+        denom = sum(raw[k] * n[k] for k in shapes if not is_dense[k])
+        eps = rest_budget / denom if denom > 0 else 0.0
+        over = [k for k in shapes if not is_dense[k] and eps * raw[k] > 1.0]
+        if not over:
+            break
+        for k in over:
+            is_dense[k] = True
+    return OrderedDict((k, 1.0 if is_dense[k] else eps * raw[k]) for k in shapes)
+
+
+def erk_counts(
+    shapes: Mapping[str, Sequence[int]], density: float, dense: Optional[Sequence[str]] = None
+) -> "OrderedDict[str, int]":
+    """Integer kept counts per layer from :func:`erk_densities`, summing exactly
+    to ``floor(density * sum_l n_l)`` (largest-remainder rounding, never above
+    ``n_l``; ties to the earlier layer)."""
+    dens = erk_densities(shapes, density, dense)
+    n = {k: math.prod(int(x) for x in s) for k, s in shapes.items()}
+    total = sum(n.values())
+    target = kept_count(1.0 - float(density), total)
+    exact = {k: dens[k] * n[k] for k in shapes}
+    counts = {k: min(n[k], math.floor(exact[k] + 1e-9)) for k in shapes}
+    short = target - sum(counts.values())
+    order = sorted(shapes, key=lambda k: -(exact[k] - math.floor(exact[k] + 1e-9)))
+    i = 0
+    while short > 0 and i < 10 * len(order) + total:
+        k = order[i % len(order)]
+        if counts[k] < n[k]:
+            counts[k] += 1
+            short -= 1
+        i += 1
+    while short < 0:  # only through the 1e-9 guard
+        k = max(counts, key=lambda j: counts[j])
+        counts[k] -= 1
+        short += 1
+    return OrderedDict((k, counts[k]) for k in shapes)

@@ -1,0 +1,350 @@
+"""prunopt.nn FilterBasis / FBConv2d / to_interspace and the eq. 9, App. C, App. D helpers."""
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import prunopt
+from prunopt.nn import (
+    FBConv2d,
+    FilterBasis,
+    interspace_flops,
+    interspace_param_groups,
+    interspace_report,
+    pruning_rates,
+    sparse_storage,
+    to_interspace,
+)
+from prunopt.reference import fb_conv2d_reference
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# -- FilterBasis (App. G) ------------------------------------------------------------------
+
+def test_filter_basis_inits():
+    b = FilterBasis(3)
+    assert b.weight.shape == (9, 3, 3) and isinstance(b.weight, nn.Parameter)
+    torch.testing.assert_close(b.matrix(), torch.eye(9))  # Alg. A1
+    o = FilterBasis(3, init="orthonormal", generator=_gen(), dtype=torch.float64)
+    m = o.matrix()
+    torch.testing.assert_close(m.T @ m, torch.eye(9, dtype=torch.float64), atol=1e-12, rtol=0)  # Alg. A2
+    assert not torch.allclose(m, torch.eye(9, dtype=torch.float64))
+    r = FilterBasis((3, 3), size=20, init="random", generator=_gen(), dtype=torch.float64)  # Alg. A3
+    assert r.size == 20 and r.weight.shape == (20, 3, 3)
+    torch.testing.assert_close(r.weight.mean(0), torch.full((3, 3), 1 / 20, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(r.weight.var(0, unbiased=False), torch.full((3, 3), 1 / 20 - 1 / 400, dtype=torch.float64),
+                               atol=1e-12, rtol=0)
+    rect = FilterBasis((1, 3))
+    assert rect.weight.shape == (3, 1, 3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kernel_size=3, size=5), "size"),
+    (dict(kernel_size=3, init="bogus"), "init"),
+    (dict(kernel_size=3, size=0, init="random"), "size"),
+    (dict(kernel_size=3, size=10, init="orthonormal"), "size"),
+])
+def test_filter_basis_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FilterBasis(**kwargs)
+
+
+def test_random_dictionary_init_mimics_kaiming():
+    # Alg. A3: kaiming-normal coefficients in a rescaled random dictionary give
+    # spatial weights with mean 0 and variance 2/fan_in (eq. A.69-A.74)
+    basis = FilterBasis(3, size=16, init="random", generator=_gen(1))
+    layer = FBConv2d(64, 256, 3, basis=basis)
+    h = layer.reconstruct().detach().double()
+    std = math.sqrt(2 / (64 * 9))
+    assert abs(h.mean().item()) < 0.05 * std
+    assert abs(h.std().item() / std - 1) < 0.05
+
+
+# -- FBConv2d ------------------------------------------------------------------------------
+
+def test_layer_interface():
+    layer = FBConv2d(6, 8, 3, stride=2, padding=1, groups=2)
+    assert layer.coefficients.shape == (8, 3, 9) and isinstance(layer.coefficients, nn.Parameter)
+    assert layer.mask.shape == (8, 3, 9) and layer.mask.dtype == torch.float32 and bool((layer.mask == 1).all())
+    assert "mask" in dict(layer.named_buffers()) and layer.bias.shape == (8,)
+    assert isinstance(layer.basis, FilterBasis)
+    assert layer.reconstruct().shape == (8, 3, 3, 3)
+    # kaiming normal (Alg. A1)
+    big = FBConv2d(128, 256, 3, bias=False)
+    assert big.bias is None
+    assert abs(big.coefficients.std().item() / math.sqrt(2 / (128 * 9)) - 1) < 0.02
+
+
+CONV_CASES = [
+    dict(),
+    dict(stride=2, padding=1),
+    dict(padding=(2, 1), dilation=(2, 1)),
+    dict(groups=2, padding=1, bias=False),
+    dict(padding=1, padding_mode="reflect"),
+    dict(padding=2, padding_mode="circular", stride=(1, 2)),
+    dict(padding=1, padding_mode="replicate"),
+    dict(padding="same", dilation=2),
+    dict(padding="same", kernel_size=(2, 4)),
+    dict(padding="valid", kernel_size=(1, 3)),
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=str)
+@pytest.mark.parametrize("init", ["standard", "orthonormal"])
+def test_matches_conv2d_both_ways(case, init):
+    case = dict(case)
+    k = case.pop("kernel_size", 3)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, k, **case).double()
+    basis = FilterBasis(k, init=init, generator=_gen(), dtype=torch.float64)
+    fb = FBConv2d.from_conv2d(conv, basis)
+    assert fb.basis is basis
+    for x in (torch.randn(3, 4, 9, 10, dtype=torch.float64), torch.randn(4, 7, 8, dtype=torch.float64)):
+        y = conv(x)
+        torch.testing.assert_close(fb(x), y, atol=1e-12, rtol=0)
+        fb.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(fb(x), y, atol=1e-12, rtol=0)
+        fb.train()
+    back = fb.to_conv2d()
+    assert isinstance(back, nn.Conv2d) and back.padding_mode == conv.padding_mode and back.padding == conv.padding
+    torch.testing.assert_close(back.weight, conv.weight, atol=1e-13, rtol=0)
+
+
+def test_round_trip_standard_basis_is_bitwise():
+    conv = nn.Conv2d(3, 5, 3, padding=1)
+    fb = FBConv2d.from_conv2d(conv, FilterBasis(3))
+    assert torch.equal(fb.coefficients.detach().reshape(5, 3, 3, 3), conv.weight.detach())
+    assert torch.equal(fb.to_conv2d().weight, conv.weight)
+    fb2 = FBConv2d.from_conv2d(fb.to_conv2d(), FilterBasis(3))
+    assert torch.equal(fb2.coefficients, fb.coefficients)
+
+
+def test_round_trip_dictionary():
+    conv = nn.Conv2d(3, 5, 3).double()
+    over = FilterBasis(3, size=14, init="random", generator=_gen(), dtype=torch.float64)  # spans R^{3x3}
+    fb = FBConv2d.from_conv2d(conv, over)
+    torch.testing.assert_close(fb.to_conv2d().weight, conv.weight, atol=1e-12, rtol=0)
+    # and a trained-looking FB layer converts exactly to a conv (App. E)
+    layer = FBConv2d(3, 5, 3, basis=over).double()
+    layer.mask.bernoulli_(0.5, generator=_gen(2))
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(layer.to_conv2d()(x), layer(x), atol=1e-12, rtol=0)
+
+
+def test_mask_zeroes_coefficient_gradient_and_basis_gets_gradient():
+    layer = FBConv2d(3, 4, 3, padding=1)
+    layer.mask.bernoulli_(0.3, generator=_gen())
+    x = torch.randn(2, 3, 5, 5)
+    layer(x).square().sum().backward()
+    assert torch.equal(layer.coefficients.grad * (1 - layer.mask), torch.zeros_like(layer.coefficients))
+    assert layer.basis.weight.grad is not None and layer.basis.weight.grad.abs().sum() > 0
+    # the output does not depend on masked coefficients
+    y0 = layer(x)
+    with torch.no_grad():
+        layer.coefficients.add_(100 * (1 - layer.mask))
+    torch.testing.assert_close(layer(x), y0)
+
+
+def test_eval_cache_follows_coefficient_and_mask_changes():
+    layer = FBConv2d(8, 8, 3, padding=1).eval()
+    layer.mask.bernoulli_(0.1, generator=_gen())
+    x = torch.randn(1, 8, 6, 6)
+    ref = lambda: fb_conv2d_reference(x, layer.coefficients, layer.basis.weight, layer.mask, layer.bias, padding=1)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref(), atol=1e-5, rtol=0)
+        layer.mask.bernoulli_(0.05, generator=_gen(1))
+        torch.testing.assert_close(layer(x), ref(), atol=1e-5, rtol=0)
+        layer.coefficients.mul_(2)
+        torch.testing.assert_close(layer(x), ref(), atol=1e-5, rtol=0)
+        layer.basis.weight.mul_(-1)
+        torch.testing.assert_close(layer(x), ref(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(in_channels=4, out_channels=6, kernel_size=3, groups=4), ValueError, "groups"),
+    (dict(in_channels=4, out_channels=6, kernel_size=3, padding_mode="mirror"), ValueError, "padding_mode"),
+    (dict(in_channels=4, out_channels=6, kernel_size=3, padding="full"), ValueError, "padding"),
+    (dict(in_channels=4, out_channels=6, kernel_size=3, basis=FilterBasis(5)), ValueError, "kernel_size"),
+    (dict(in_channels=4, out_channels=6, kernel_size=3, basis=torch.eye(9)), TypeError, "basis"),
+    (dict(in_channels=0, out_channels=6, kernel_size=3), ValueError, "in_channels"),
+])
+def test_layer_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        FBConv2d(**kwargs)
+
+
+def test_wrong_input_channels_is_a_value_error():
+    with pytest.raises(ValueError, match="channels"):
+        FBConv2d(4, 6, 3)(torch.randn(1, 5, 8, 8))
+
+
+# -- to_interspace (Sec. 4.3, App. H) -----------------------------------------------------
+
+def vgg_like():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 5, padding=2), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) if stride > 1 or cin != cout else nn.Identity()
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.short(x))
+
+
+def resnet_like():
+    return nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         Block(8, 8, 1), Block(8, 16, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("make", [vgg_like, resnet_like])
+@pytest.mark.parametrize("sharing", ["fine", "coarse"])
+@pytest.mark.parametrize("init", ["standard", "orthonormal", "random"])
+def test_to_interspace_keeps_outputs(make, sharing, init):
+    torch.manual_seed(0)
+    model = make().double().eval()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    y = model(x)
+    n_conv = sum(isinstance(m, nn.Conv2d) and max(m.kernel_size) > 1 for m in model.modules())
+    n_1x1 = sum(isinstance(m, nn.Conv2d) and max(m.kernel_size) == 1 for m in model.modules())
+    out = to_interspace(model, sharing=sharing, init=init, generator=_gen())
+    assert out is model
+    fbs = [m for m in model.modules() if isinstance(m, FBConv2d)]
+    assert len(fbs) == n_conv
+    assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) == n_1x1  # 1x1 stay standard
+    bases = {id(m.basis) for m in fbs}
+    kernels = {m.kernel_size for m in fbs}
+    assert len(bases) == (n_conv if sharing == "fine" else len(kernels))
+    torch.testing.assert_close(model(x), y, atol=1e-10, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), y, atol=1e-10, rtol=0)
+
+
+def test_to_interspace_callable_sharing():
+    model = resnet_like()
+    # "medium": one basis per block; the stem stays standard
+    to_interspace(model, sharing=lambda name, conv: None if name == "0" else name.split(".")[0])
+    assert isinstance(model[0], nn.Conv2d)
+    assert model[3].conv1.basis is model[3].conv2.basis
+    assert model[4].conv1.basis is not model[3].conv1.basis
+    with pytest.raises(ValueError, match="sharing"):
+        to_interspace(vgg_like(), sharing="medium")
+    with pytest.raises(TypeError, match="sharing"):
+        to_interspace(vgg_like(), sharing=3)
+
+
+def test_shared_basis_saved_once_and_shared_after_load():
+    torch.manual_seed(0)
+    model = to_interspace(vgg_like(), sharing="coarse")
+    with torch.no_grad():
+        model[0].basis.weight.add_(0.1 * torch.randn(9, 3, 3))
+    sd = model.state_dict()
+    keys = [k for k in sd if k.endswith("basis.weight")]
+    assert len(keys) == 4
+    # one storage for the 3x3 basis (torch.save writes it once)
+    assert len({sd[k].untyped_storage().data_ptr() for k in keys}) == 2  # 3x3 and 5x5
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    fresh = to_interspace(vgg_like(), sharing="coarse")
+    fresh.load_state_dict(torch.load(buf))
+    assert fresh[0].basis is fresh[3].basis is fresh[7].basis
+    torch.testing.assert_close(fresh[3].basis.weight, model[0].basis.weight)
+    with torch.no_grad():
+        fresh[0].basis.weight.mul_(2)
+    assert torch.equal(fresh[7].basis.weight, fresh[0].basis.weight)
+    x = torch.randn(1, 3, 8, 8)
+    model.eval(), fresh.eval()
+    with torch.no_grad():
+        fresh[0].basis.weight.div_(2)
+        torch.testing.assert_close(fresh(x), model(x))
+
+
+def test_param_groups():
+    model = to_interspace(vgg_like(), sharing="coarse")
+    groups = interspace_param_groups(model, 5e-4, lr=0.1)
+    assert groups[0]["weight_decay"] == 5e-4 and groups[1]["weight_decay"] == 0.0
+    basis_params = {id(m.weight) for m in model.modules() if isinstance(m, FilterBasis)}
+    assert {id(p) for p in groups[1]["params"]} == basis_params
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(model.parameters()))
+    assert any(p is model[0].coefficients for p in groups[0]["params"])
+    torch.optim.SGD(groups, momentum=0.9)  # accepted by an optimizer
+
+
+# -- eq. 9, App. C, App. D ---------------------------------------------------------------------
+
+def test_pruning_rates_eq9():
+    model = nn.Sequential(FBConv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 2 * 2, 3))  # 72 + 48 prunable
+    model[0].mask.zero_()
+    model[0].mask[:, :, 0] = 1  # 8 non-zero coefficients
+    with torch.no_grad():
+        model[2].weight[:, :8] = 0  # 24 non-zero
+    r = pruning_rates(model)
+    assert r["D"] == 72 + 48 and r["nonzero"] == 8 + 24 and r["basis_nonzero"] == 9
+    assert r["p_SP"] == pytest.approx(1 - 32 / 120) and r["p_IP"] == pytest.approx(1 - 41 / 120)
+
+
+def test_flops_app_d():
+    layer = FBConv2d(4, 8, 3)
+    layer.mask.zero_()
+    layer.mask[:, :, :3] = 1
+    x = torch.randn(1, 4, 10, 10)
+    f = interspace_flops(layer, x)
+    d = 8 * 8
+    assert f["dense"] == 2 * 8 * 4 * 9 * d  # A.5
+    assert f["basis_overhead"] == 2 * 4 * 9 * 9 * d  # 2 C_in K^4 d1 d2
+    assert f["sparse"] == 2 * 8 * 4 * 3 * d + f["basis_overhead"]  # A.8 with p = 2/3
+    p = 2 / 3
+    assert f["ratio"] == pytest.approx((1 - p) + 9 / 8)
+
+
+def test_storage_app_c():
+    s = sparse_storage(1000, 100)
+    p = 0.9
+    h = -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+    assert s["dense"] == 4000
+    assert s["entropy"] / s["dense"] == pytest.approx(h / 32 + 1 - p)  # eq. A.2
+    assert s["csr"] == (100 * 8 + 2 * 4)
+    assert sparse_storage(10, 10)["entropy"] == 40 and sparse_storage(10, 0)["entropy"] == 0
+
+
+def test_report():
+    model = to_interspace(vgg_like(), sharing="fine")
+    rep = interspace_report(model, torch.randn(1, 3, 16, 16))
+    assert set(rep) >= {"p_SP", "p_IP", "storage_bytes", "flops"}
+    assert rep["p_SP"] == pytest.approx(0.0) and rep["p_IP"] < 0  # dense + bases
+    assert rep["flops"]["ratio"] > 1  # dense FB layers pay the basis overhead
+
+
+# -- torch.compile -----------------------------------------------------------------------------
+
+def test_torch_compile_model_with_fbconv2d():
+    torch.manual_seed(0)
+    model = to_interspace(vgg_like())
+    for m in model.modules():
+        if isinstance(m, FBConv2d):
+            m.mask.bernoulli_(0.5, generator=_gen())
+    x = torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(model, backend="inductor")
+    y = compiled(x)
+    torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    assert model[0].coefficients.grad is not None and model[0].basis.weight.grad is not None

@@ -1,0 +1,223 @@
+"""prunopt.pruning.Masker: masks hold through optimizer steps (gradients and
+optimizer state masked), deepcopy / state_dict / torch.compile, export."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import prunopt
+from prunopt.pruning import Masker, WeightMask, check_sparsity, prunable_tensors, remove_masks
+from torch.nn.utils import parametrize
+
+from _pruning_helpers import TinyNet, batch, random_masks
+
+
+class UnknownAccumulator(torch.optim.Optimizer):
+    """An optimizer with state keys the masker cannot know: an accumulator that
+    grows for every entry (|p| + 1), and a buffer that would move pruned weights."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["acc_xyz"] = torch.zeros_like(p)
+                    st["drift"] = torch.zeros_like(p)
+                    st["step"] = torch.tensor(0.0)
+                st["acc_xyz"].add_(p.abs() + 1.0)
+                st["drift"].mul_(0.5).add_(0.01)
+                st["step"] += 1
+                p.add_(-group["lr"] * p.grad / st["acc_xyz"].sqrt() + st["drift"])
+
+
+def _optimizers():
+    opts = {
+        "sgd_momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+        "unknown_state": lambda ps: UnknownAccumulator(ps),
+    }
+    prunadag = getattr(prunopt.optim, "PrunAdag", None)
+    if prunadag is not None:
+        opts["prunadag"] = lambda ps: prunadag(ps)
+    return opts
+
+
+def _assert_pruned_zero(masker, opt):
+    for name, pt in masker.tensors.items():
+        pruned = ~pt.mask.bool()
+        assert pruned.any()
+        assert torch.equal(pt.parameter.detach()[pruned], torch.zeros(int(pruned.sum()))), name
+        assert torch.equal(pt.effective().detach()[pruned], torch.zeros(int(pruned.sum()))), name
+        for key, v in opt.state[pt.parameter].items():
+            if torch.is_tensor(v) and v.shape == pt.parameter.shape:
+                assert torch.equal(v[pruned], torch.zeros_like(v[pruned])), (name, key)
+
+
+@pytest.mark.parametrize("opt_name", sorted(_optimizers()))
+def test_masks_hold_through_optimizer_steps(opt_name):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = _optimizers()[opt_name](model.parameters())
+    masker = Masker(model, opt)
+    # one dense step first, so the optimizer state is non-zero everywhere
+    x, y = batch()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    masker.set_masks(random_masks(masker, 0.5))
+    _assert_pruned_zero(masker, opt)
+    for i in range(4):
+        x, y = batch(seed=i + 1)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for pt in masker.tensors.values():  # autograd masks the gradient
+            pruned = ~pt.mask.bool()
+            assert torch.equal(pt.parameter.grad[pruned], torch.zeros(int(pruned.sum())))
+        opt.step()
+        masker.step()
+        _assert_pruned_zero(masker, opt)
+    # kept weights did move
+    assert any(bool((pt.parameter.detach()[pt.mask.bool()] != 0).all()) for pt in masker.tensors.values())
+
+
+def test_parametrization_layout_and_fqn_state_dict():
+    model = TinyNet()
+    masker = Masker(model)
+    assert list(masker.tensors) == ["conv1.weight", "conv2.weight", "fc.weight"]
+    assert isinstance(model.conv1.parametrizations.weight[0], WeightMask)
+    keys = set(model.state_dict())
+    assert "conv1.parametrizations.weight.original" in keys and "conv1.parametrizations.weight.0.mask" in keys
+    masker.set_masks(random_masks(masker, 0.3))
+    sd = masker.state_dict()
+    assert set(sd["masks"]) == {"conv1.weight", "conv2.weight", "fc.weight"}
+    assert all(not isinstance(v, nn.Module) for v in sd["masks"].values())
+    # a fresh model + masker loads the model state dict and the masks
+    model2 = TinyNet()
+    masker2 = Masker(model2)
+    model2.load_state_dict(model.state_dict())
+    masker2.load_state_dict(sd)
+    x, _ = batch()
+    model.eval(), model2.eval()
+    torch.testing.assert_close(model2(x), model(x), rtol=0, atol=0)
+    for n in masker.tensors:
+        assert torch.equal(masker.masks()[n], masker2.masks()[n])
+
+
+def test_deepcopy_is_independent():
+    model = TinyNet().eval()
+    masker = Masker(model)
+    masker.set_masks(random_masks(masker, 0.5))
+    clone = copy.deepcopy(model)
+    x, _ = batch()
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    masker.set_masks({"fc.weight": torch.zeros_like(model.fc.weight, dtype=torch.bool)})
+    assert clone.fc.parametrizations.weight[0].mask.sum() > 0
+
+
+def test_torch_compile_forward_and_train_step():
+    torch.manual_seed(0)
+    model = TinyNet(bn=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    masker = Masker(model, opt)
+    masker.set_masks(random_masks(masker, 0.4))
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = batch()
+    torch.testing.assert_close(compiled(x), model(x))
+    for i in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(compiled(x), y).backward()
+        opt.step()
+        masker.step()
+    _assert_pruned_zero(masker, opt)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor():
+    model = TinyNet(bn=False)
+    masker = Masker(model)
+    masker.set_masks(random_masks(masker, 0.4))
+    compiled = torch.compile(model)
+    x, _ = batch()
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_remove_leaves_plain_model():
+    model = TinyNet().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masker = Masker(model, opt)
+    masker.set_masks(random_masks(masker, 0.5))
+    x, _ = batch()
+    before = model(x).detach()
+    original = model.conv1.parametrizations.weight.original
+    masks = masker.masks()
+    masker.remove()
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert set(model.state_dict()) == set(TinyNet().state_dict())
+    assert model.conv1.weight is original  # the optimizer still holds it
+    assert torch.equal(model.conv1.weight[~masks["conv1.weight"]], torch.zeros(int((~masks["conv1.weight"]).sum())))
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+def test_dense_gradients_match_unmasked_model():
+    torch.manual_seed(0)
+    model = TinyNet(bn=False)
+    masker = Masker(model)
+    masker.set_masks(random_masks(masker, 0.5))
+    x, y = batch()
+    dense = masker.dense_gradients(lambda: torch.nn.functional.cross_entropy(model(x), y))
+    plain = copy.deepcopy(model)
+    remove_masks(plain)
+    loss = torch.nn.functional.cross_entropy(plain(x), y)
+    ref = torch.autograd.grad(loss, [plain.conv1.weight, plain.conv2.weight, plain.fc.weight])
+    for (n, g), r in zip(dense.items(), ref):
+        torch.testing.assert_close(g, r)
+        assert (g[~masker.masks()[n]] != 0).any()  # pruned entries do get a gradient
+    assert masker.masks()["fc.weight"].float().mean() < 1  # masks restored
+
+
+def test_unknown_names_raise():
+    model = TinyNet()
+    with pytest.raises(ValueError, match="exclude.*nope"):
+        prunable_tensors(model, exclude=["nope"])
+    with pytest.raises(ValueError, match="include"):
+        Masker(model, include=["conv9"])
+    masker = Masker(model, exclude=["fc"])
+    assert list(masker.tensors) == ["conv1.weight", "conv2.weight"]
+    with pytest.raises(ValueError, match="unknown layer name 'fc.weight'"):
+        masker.set_masks({"fc.weight": torch.ones(4, 3, dtype=torch.bool)})
+    with pytest.raises(TypeError, match="model"):
+        Masker("not a model")
+
+
+def test_bad_masks_leave_nothing_half_updated():
+    model = TinyNet()
+    masker = Masker(model)
+    before = masker.masks()
+    good = torch.zeros_like(model.conv1.parametrizations.weight.original, dtype=torch.bool)
+    with pytest.raises(ValueError, match="shape"):
+        masker.set_masks({"conv1.weight": good, "conv2.weight": torch.ones(2, 2, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="binary"):
+        masker.set_masks({"conv1.weight": good, "fc.weight": torch.full((4, 3), 0.5)})
+    for n, m in masker.masks().items():
+        assert torch.equal(m, before[n])
+    assert bool((model.conv1.parametrizations.weight.original != 0).all())
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, float("nan")])
+def test_invalid_sparsity_value(bad):
+    with pytest.raises(ValueError, match="sparsity"):
+        check_sparsity(bad)
+
+
+@pytest.mark.parametrize("bad", ["0.5", True, None])
+def test_invalid_sparsity_type(bad):
+    with pytest.raises(TypeError, match="sparsity"):
+        check_sparsity(bad)
