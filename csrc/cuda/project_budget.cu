@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "prunopt/checks.h"
+#include "prunopt/projection_entry.h"
 #include "prunopt/projection.h"
 
 namespace prunopt {
@@ -324,38 +325,14 @@ void project_into(const std::vector<at::Tensor>& inputs, const std::vector<at::T
   TORCH_CHECK_VALUE(error != 2.0, op, ": cost must be positive and finite everywhere");
 }
 
-std::vector<at::Tensor> contiguous_all(at::TensorList ts) {
-  std::vector<at::Tensor> out;
-  out.reserve(ts.size());
-  for (const auto& t : ts) {
-    out.push_back(t.contiguous());
-  }
-  return out;
+std::vector<at::Tensor> project_budget_cuda(
+    at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
+  return project_budget_entry(theta, cost, budget, project_into);
 }
 
-std::vector<at::Tensor> project_budget_cuda(at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
-  check_projection_args(theta, cost, budget, "project_budget");
-  auto inputs = contiguous_all(theta);
-  auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(inputs.size());
-  for (const auto& t : inputs) {
-    outputs.push_back(at::empty_like(t));
-  }
-  project_into(inputs, costs, outputs, budget, "project_budget");
-  return outputs;
-}
-
-void project_budget_inplace_cuda(at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
-  check_projection_args(theta, cost, budget, "project_budget_");
-  auto inputs = contiguous_all(theta);
-  auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
-  project_into(inputs, costs, inputs, budget, "project_budget_");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].is_same(theta[i])) {
-      theta[i].copy_(inputs[i]);
-    }
-  }
+void project_budget_inplace_cuda(
+    at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
+  project_budget_inplace_entry(theta, cost, budget, project_into);
 }
 
 }  // namespace

@@ -1,0 +1,55 @@
+// Host-side entry points of the projection ops, shared by the CPU and CUDA
+// kernels: validation, contiguous inputs, output allocation and, for the
+// in-place op, copying back into non-contiguous views. Each device supplies
+// only `project_into(inputs, costs, outputs, budget, op)`.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "prunopt/checks.h"
+
+namespace prunopt {
+
+inline std::vector<at::Tensor> contiguous_all(at::TensorList ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    out.push_back(t.contiguous());  // the same tensor when already contiguous
+  }
+  return out;
+}
+
+template <typename ProjectInto>
+std::vector<at::Tensor> project_budget_entry(
+    at::TensorList theta, const c10::optional<at::TensorList>& cost, double budget, ProjectInto&& project_into) {
+  check_projection_args(theta, cost, budget, "project_budget");
+  auto inputs = contiguous_all(theta);
+  auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(inputs.size());
+  for (const auto& t : inputs) {
+    outputs.push_back(at::empty_like(t));
+  }
+  project_into(inputs, costs, outputs, budget, "project_budget");
+  return outputs;
+}
+
+// Everything is validated inside project_into before the first write, so an
+// error leaves theta untouched.
+template <typename ProjectInto>
+void project_budget_inplace_entry(
+    at::TensorList theta, const c10::optional<at::TensorList>& cost, double budget, ProjectInto&& project_into) {
+  check_projection_args(theta, cost, budget, "project_budget_");
+  auto inputs = contiguous_all(theta);
+  auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
+  project_into(inputs, costs, inputs, budget, "project_budget_");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].is_same(theta[i])) {
+      theta[i].copy_(inputs[i]);
+    }
+  }
+}
+
+}  // namespace prunopt
