@@ -1,3 +1,9 @@
 """Optimizers and projections: ``BudgetProjection`` (ProM/ProbMask),
 ``PrunAdag`` and the Frank-Wolfe baselines (prunAdag paper)."""
 __all__ = []
+
+
+# --- prunAdag (SPEC.md section 2) ---
+from prunopt.optim.prunadag import PrunAdag  # noqa: E402  (functional form: prunopt.optim.prunadag.prunadag)
+
+__all__ += ["PrunAdag"]

@@ -7,3 +7,20 @@ from prunopt.reference.projection import (
 )
 
 __all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]
+
+# --- prunAdag (SPEC.md section 2) ---
+from prunopt.reference.prunadag import (  # noqa: E402
+    TensorHyper,
+    prunadag_step_reference,
+    resolve_relevant,
+    support_norm_lmo_reference,
+    topk_threshold_reference,
+)
+
+__all__ += [
+    "TensorHyper",
+    "prunadag_step_reference",
+    "resolve_relevant",
+    "support_norm_lmo_reference",
+    "topk_threshold_reference",
+]
