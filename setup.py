@@ -27,7 +27,7 @@ def extensions():
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp"]
     use_cuda = (
         not _flag("PRUNOPT_NO_CUDA")
         and torch.version.cuda is not None
@@ -44,7 +44,7 @@ def extensions():
     )
     if use_cuda:
         kwargs["sources"] = sources + sorted(glob.glob("csrc/cuda/*.cu"))
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]
         kwargs["define_macros"] = [("PRUNOPT_WITH_CUDA", None)]
         ext = CUDAExtension(**kwargs)
     else:

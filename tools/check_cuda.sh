@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Compiles every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (compile only:
 # the CPU build of torch ships the CUDA headers, so no GPU is needed). Fails on
-# any error. Usage: tools/check_cuda.sh [nvcc]
+# any error. Only c10/ATen headers that need no CUDA library headers may be
+# used (no ATen/cuda/CUDAContext.h: cuSPARSE/cuBLAS headers are absent here).
+# Usage: tools/check_cuda.sh [nvcc]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${1:-${NVCC:-nvcc}}
@@ -17,10 +19,10 @@ shopt -s nullglob
 files=(csrc/cuda/*.cu)
 for f in "${files[@]}"; do
   echo "nvcc: $f (sm_80, sm_90)"
-  if ! "$NVCC" -c "$f" -o "$out/$(basename "$f").o" -std=c++17 -O3 --expt-relaxed-constexpr \
+  if ! "$NVCC" -c "$f" -o "$out/$(basename "$f").o" -std=c++20 -O3 --expt-relaxed-constexpr \
       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
       -Xcompiler -fPIC -D_GLIBCXX_USE_CXX11_ABI="$ABI" -DPRUNOPT_WITH_CUDA -DTORCH_EXTENSION_NAME=_C \
-      -Icsrc/include $TORCH_INC -I"$PY_INC"; then
+      -Icsrc/include $TORCH_INC -I"$PY_INC" -Itools/cuda_shim; then
     status=1
   fi
 done
