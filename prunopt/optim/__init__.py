@@ -7,3 +7,6 @@ __all__ = []
 from prunopt.optim.prunadag import PrunAdag  # noqa: E402  (functional form: prunopt.optim.prunadag.prunadag)
 
 __all__ += ["PrunAdag"]
+from prunopt.optim.sfw import SFW  # noqa: E402
+
+__all__ += ["SFW"]

@@ -31,3 +31,4 @@ def register_method(name: str, run: Callable, help: str, add_arguments: Optional
 
 # Method modules register themselves on import.
 from prunopt.train.methods import probmask  # noqa: E402,F401
+from prunopt.train.methods import prunadag  # noqa: E402,F401  (prunAdag)
