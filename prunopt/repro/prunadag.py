@@ -12,7 +12,7 @@ Matrices (the paper cites Wen et al. and Porcelli-Rinaldi without formulas;
 for ``m < n`` "orthogonal columns" cannot hold exactly, so these are our
 readings, see docs/prunadag.md): A1 Gaussian; A2 ``m`` rows of a random
 orthogonal ``n x n`` matrix (orthonormal rows); A3 Gaussian with unit-norm
-columns; A4 orthogonal rows of random lengths in [0.5, 2]; A5 Bernoulli {0, 1};
+columns; A4 orthogonal rows of random lengths in [0.5, 2]; A5 symmetric Bernoulli +-1;
 A6 ``m`` random rows of the orthonormal DCT-II matrix of size ``n``.
 
 Logistic regression (eq. 3.4, labels in {-1, +1}, no intercept): scikit-learn's
@@ -74,7 +74,10 @@ def make_matrix(name: str, m: int, n: int, g: torch.Generator) -> torch.Tensor:
         a = torch.randn(m, n, generator=g, dtype=torch.float64)
         return a / a.norm(dim=0, keepdim=True)
     if name == "A5":
-        return (torch.rand(m, n, generator=g, dtype=torch.float64) < 0.5).double()
+        # symmetric Bernoulli (+-1): the paper's A5 column is nearly identical to
+        # its Gaussian A1 column, which a {0, 1} matrix (a large rank-one mean
+        # part) does not reproduce with lr = 1
+        return (torch.rand(m, n, generator=g, dtype=torch.float64) < 0.5).double() * 2 - 1
     if name == "A6":
         k = torch.arange(n, dtype=torch.float64)
         dct = torch.cos(math.pi / n * (k[None, :] + 0.5) * k[:, None]) * math.sqrt(2.0 / n)
