@@ -34,7 +34,7 @@ def run(args) -> Summary:
     others = [p for p in model.parameters() if p.dim() <= 1]  # BN and bias: plain Adagrad
     relevant = args.prunadag_relevant if getattr(args, "prunadag_relevant", None) is not None else max(args.density, 1e-6)
     version = getattr(args, "prunadag_version", 3)
-    opt = PrunAdag([dict(params=weights), dict(params=others, prune=False)], lr=args.lr if args.lr is not None else 0.05,
+    opt = PrunAdag([dict(params=weights), dict(params=others, prune=False)], lr=args.lr if args.lr is not None else 0.2,
                    relevant=min(1.0, float(relevant)), version=version)
     epochs = args.epochs or 15
     gen = torch.Generator().manual_seed(args.seed)
