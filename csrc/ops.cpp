@@ -41,3 +41,17 @@ TORCH_LIBRARY_FRAGMENT(prunopt, m) {
   m.def("fb_conv2d_csr(Tensor input, Tensor crow_indices, Tensor col_indices, Tensor values, Tensor basis, "
         "Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor");
 }
+
+// ---------------------------------------------------------------------------
+// prunAdag (SPEC.md section 2). The k-th largest |v| over a tensor list (exact
+// radix select, = torch.kthvalue at rank n - k + 1 on the concatenation), and
+// one fused step over one selection scope. `hyper` is float64 (ntensors, 6):
+// [lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune] per tensor; `version`
+// is 1..4, or 0 for "relevant_only"; `relevant` is the resolved T.
+// ---------------------------------------------------------------------------
+TORCH_LIBRARY_FRAGMENT(prunopt, m) {
+  m.def("topk_threshold(Tensor[] values, int k) -> Tensor");
+  m.def(
+      "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
+      "Tensor hyper, int relevant, int version) -> ()");
+}

@@ -3,3 +3,12 @@
 from prunopt.optim.budget import BudgetProjection
 
 __all__ = ["BudgetProjection"]
+
+
+# --- prunAdag (SPEC.md section 2) ---
+from prunopt.optim.prunadag import PrunAdag  # noqa: E402  (functional form: prunopt.optim.prunadag.prunadag)
+
+__all__ += ["PrunAdag"]
+from prunopt.optim.sfw import SFW  # noqa: E402
+
+__all__ += ["SFW"]

@@ -52,3 +52,9 @@ __all__ += [
     "synflow_prune",
     "CSRTensor", "entropy_bound", "export_csr", "from_csr", "mask_entropy_bits", "pruning_rates", "to_csr",
 ]
+
+
+# --- prunAdag: a posteriori magnitude pruning and eq. 3.1 measures ---
+from prunopt.pruning.magnitude import magnitude_masks, magnitude_prune_, rho_omega, sparsity  # noqa: E402
+
+__all__ += ["magnitude_masks", "magnitude_prune_", "rho_omega", "sparsity"]

@@ -22,3 +22,20 @@ __all__ += [
     "fb_conv2d_sparse_reference",
     "fb_coefficient_grads_reference",
 ]
+
+# --- prunAdag (SPEC.md section 2) ---
+from prunopt.reference.prunadag import (  # noqa: E402
+    TensorHyper,
+    prunadag_step_reference,
+    resolve_relevant,
+    support_norm_lmo_reference,
+    topk_threshold_reference,
+)
+
+__all__ += [
+    "TensorHyper",
+    "prunadag_step_reference",
+    "resolve_relevant",
+    "support_norm_lmo_reference",
+    "topk_threshold_reference",
+]

@@ -34,3 +34,5 @@ from prunopt.train.methods import probmask  # noqa: E402,F401
 
 # --- pruning toolkit (issue 5): pai-random, snip, grasp, synflow, lt, set, rigl, gmp, ft ---
 from prunopt.train.methods import toolkit  # noqa: E402,F401
+
+from prunopt.train.methods import prunadag  # noqa: E402,F401  (prunAdag)

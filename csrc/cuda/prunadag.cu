@@ -1,0 +1,463 @@
+// prunAdag on CUDA (SPEC.md section 2): the exact top-T threshold and the fused
+// step, with no host synchronisation inside the step.
+//
+// Layout follows apex's multi_tensor_apply: the tensor list is cut into fixed
+// chunks; a kernel argument struct (Meta) carries up to kMaxTensors pointers
+// and kMaxChunks chunk descriptors, one block per chunk; longer lists take
+// several launches. Selection is a radix select on bits(|g|), 8 bits per pass
+// (float: 4 passes, double: 8): each pass builds a shared-memory histogram
+// per block, adds it to a global one with integer atomics (order-independent,
+// so deterministic), and a single-thread kernel picks the digit. Norms use
+// per-block partials and one single-block finalize kernel (fixed order).
+// A non-finite gradient sets a device flag; the element kernel then writes
+// nothing (the scope's step is skipped; see docs/prunadag.md).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "prunopt/prunadag.h"
+
+namespace prunopt {
+namespace cuda {
+namespace {
+
+using namespace prunopt::prunadag;
+
+constexpr int kMaxTensors = 36;
+constexpr int kMaxChunks = 320;
+constexpr int kChunk = 16384;
+constexpr int kThreads = 256;
+constexpr int kDigit = 8;
+constexpr int kBins = 1 << kDigit;
+
+struct Meta {
+  void* x[kMaxTensors];
+  void* so[kMaxTensors];
+  void* sd[kMaxTensors];
+  const void* g[kMaxTensors];
+  int64_t n[kMaxTensors];
+  int row[kMaxTensors];                      // row of `hyper`
+  unsigned char tensor_of[kMaxChunks];
+  int chunk_of[kMaxChunks];                  // chunk index inside its tensor
+  int nchunks;
+  int block_offset;                          // global index of this launch's first block
+};
+
+struct State {
+  unsigned long long prefix;
+  unsigned long long pmask;
+  long long k;        // rank still to find among keys with the prefix; 0: all relevant
+  unsigned long long n;  // pruned elements (counted by the first pass)
+  int bad;            // a gradient is inf/nan
+  int collapse;       // step op: T >= n makes every element relevant
+  double r;           // ||g||_R / ||x||_M
+};
+
+struct Host {
+  void* x;
+  void* so;
+  void* sd;
+  const void* g;
+  int64_t n;
+  int row;
+};
+
+std::vector<Meta> make_batches(const std::vector<Host>& ts) {
+  std::vector<Meta> out;
+  Meta m{};
+  int nt = 0, blocks = 0;
+  auto flush = [&]() {
+    out.push_back(m);
+    blocks += m.nchunks;
+    m = Meta{};
+    m.block_offset = blocks;
+    nt = 0;
+  };
+  auto add_tensor = [&](const Host& t) {
+    m.x[nt] = t.x;
+    m.so[nt] = t.so;
+    m.sd[nt] = t.sd;
+    m.g[nt] = t.g;
+    m.n[nt] = t.n;
+    m.row[nt] = t.row;
+    ++nt;
+  };
+  for (const auto& t : ts) {
+    const int64_t chunks = (t.n + kChunk - 1) / kChunk;
+    if (nt == kMaxTensors) {
+      flush();
+    }
+    add_tensor(t);
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (m.nchunks == kMaxChunks) {
+        flush();
+        add_tensor(t);  // the current tensor continues in the next launch
+      }
+      m.tensor_of[m.nchunks] = static_cast<unsigned char>(nt - 1);
+      m.chunk_of[m.nchunks] = static_cast<int>(c);
+      ++m.nchunks;
+    }
+  }
+  if (m.nchunks > 0) {
+    out.push_back(m);
+  }
+  return out;
+}
+
+__global__ void init_state(State* st, long long k, int collapse) {
+  st->prefix = 0;
+  st->pmask = 0;
+  st->k = k;
+  st->n = 0;
+  st->bad = 0;
+  st->collapse = collapse;
+  st->r = 0.0;
+}
+
+// Whether tensor t of a launch takes part in the selection (hyper == nullptr:
+// the threshold op, every tensor does).
+__device__ __forceinline__ bool pruned(const Meta& m, const double* hyper, int t) {
+  return hyper == nullptr || hyper[m.row[t] * kHyperCols + kPrune] != 0.0;
+}
+
+// One radix pass: histogram of digit [shift, shift+bits) over the pruned keys
+// that carry the current prefix. The first pass also flags inf/nan anywhere.
+template <typename scalar_t>
+__global__ void hist_kernel(Meta m, const double* hyper, bool use_x, State* st, unsigned long long* ghist,
+    int shift, int bits, bool first) {
+  using K = typename KeyOf<scalar_t>::type;
+  __shared__ unsigned int h[kBins];
+  for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+    h[j] = 0;
+  }
+  __syncthreads();
+  const int t = m.tensor_of[blockIdx.x];
+  const int64_t begin = static_cast<int64_t>(m.chunk_of[blockIdx.x]) * kChunk;
+  const int64_t end = min(begin + kChunk, m.n[t]);
+  const scalar_t* g = static_cast<const scalar_t*>(m.g[t]);
+  const scalar_t* x = use_x ? static_cast<const scalar_t*>(m.x[t]) : nullptr;
+  const scalar_t wd = static_cast<scalar_t>(hyper ? hyper[m.row[t] * kHyperCols + kWeightDecay] : 0.0);
+  const K prefix = static_cast<K>(st->prefix), pmask = static_cast<K>(st->pmask);
+  const bool part = pruned(m, hyper, t);
+  const bool counting = st->k > 0 && part;
+  if (first && part && threadIdx.x == 0) {
+    atomicAdd(&st->n, static_cast<unsigned long long>(end - begin));
+  }
+  const K dmask = static_cast<K>((1u << bits) - 1u);
+  bool bad = false;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const scalar_t gi = x != nullptr ? g[i] + wd * x[i] : g[i];
+    const K key = magnitude_key<scalar_t>(gi);
+    bad |= key >= KeyOf<scalar_t>::kInf;
+    if (counting && (key & pmask) == prefix) {
+      atomicAdd(&h[static_cast<int>((key >> shift) & dmask)], 1u);
+    }
+  }
+  if (first && bad) {
+    atomicOr(&st->bad, 1);
+  }
+  __syncthreads();
+  if (counting) {
+    for (int j = threadIdx.x; j < (1 << bits); j += blockDim.x) {
+      if (h[j] != 0) {
+        atomicAdd(&ghist[j], static_cast<unsigned long long>(h[j]));
+      }
+    }
+  }
+}
+
+// Picks the digit of the k-th largest key and clears the histogram. After
+// the first pass, k >= n means T >= n: every element is relevant (k = 0).
+__global__ void select_kernel(State* st, unsigned long long* ghist, int shift, int bits, bool first) {
+  if (threadIdx.x == 0 && first && st->collapse && st->k >= static_cast<long long>(st->n)) {
+    st->k = 0;
+  }
+  if (threadIdx.x == 0 && st->k > 0) {
+    long long above = 0;
+    int j = (1 << bits) - 1;
+    for (; j > 0; --j) {
+      if (above + static_cast<long long>(ghist[j]) >= st->k) {
+        break;
+      }
+      above += static_cast<long long>(ghist[j]);
+    }
+    st->k -= above;
+    st->prefix |= static_cast<unsigned long long>(j) << shift;
+    st->pmask |= static_cast<unsigned long long>((1u << bits) - 1u) << shift;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+    ghist[j] = 0;
+  }
+}
+
+template <typename scalar_t>
+__device__ scalar_t tau_of(const State* st) {
+  // k == 0 from the start: T >= n, tau = 0 makes every element relevant
+  return st->pmask == 0 ? scalar_t(0) : value_of_key<scalar_t>(static_cast<typename KeyOf<scalar_t>::type>(st->prefix));
+}
+
+template <typename scalar_t>
+__global__ void norms_kernel(Meta m, const double* hyper, const State* st, double* partials) {
+  __shared__ double sg[kThreads];
+  __shared__ double sx[kThreads];
+  const int t = m.tensor_of[blockIdx.x];
+  double gr = 0.0, xm = 0.0;
+  if (pruned(m, hyper, t)) {
+    const int64_t begin = static_cast<int64_t>(m.chunk_of[blockIdx.x]) * kChunk;
+    const int64_t end = min(begin + kChunk, m.n[t]);
+    const scalar_t* g = static_cast<const scalar_t*>(m.g[t]);
+    const scalar_t* x = static_cast<const scalar_t*>(m.x[t]);
+    const double* h = hyper + m.row[t] * kHyperCols;
+    const scalar_t wd = static_cast<scalar_t>(h[kWeightDecay]);
+    const scalar_t sgn = h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
+    const scalar_t tau = tau_of<scalar_t>(st);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const scalar_t xi = x[i];
+      const scalar_t gi = effective_grad<scalar_t>(xi, g[i], wd, sgn);
+      const bool rel = (gi < scalar_t(0) ? -gi : gi) >= tau;
+      const double gd = gi, xd = xi;
+      gr += rel ? gd * gd : 0.0;
+      xm += (!rel && xi * gi > scalar_t(0)) ? xd * xd : 0.0;
+    }
+  }
+  sg[threadIdx.x] = gr;
+  sx[threadIdx.x] = xm;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      sg[threadIdx.x] += sg[threadIdx.x + s];
+      sx[threadIdx.x] += sx[threadIdx.x + s];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    partials[2 * (m.block_offset + blockIdx.x)] = sg[0];
+    partials[2 * (m.block_offset + blockIdx.x) + 1] = sx[0];
+  }
+}
+
+// One block: sums the per-block partials in a fixed order and sets r.
+__global__ void finalize_kernel(State* st, const double* partials, int nblocks) {
+  __shared__ double sg[kThreads];
+  __shared__ double sx[kThreads];
+  double gr = 0.0, xm = 0.0;
+  for (int b = threadIdx.x; b < nblocks; b += blockDim.x) {
+    gr += partials[2 * b];
+    xm += partials[2 * b + 1];
+  }
+  sg[threadIdx.x] = gr;
+  sx[threadIdx.x] = xm;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      sg[threadIdx.x] += sg[threadIdx.x + s];
+      sx[threadIdx.x] += sx[threadIdx.x + s];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    st->r = ratio(sg[0], sx[0]);
+  }
+}
+
+template <typename scalar_t>
+__global__ void update_kernel(Meta m, const double* hyper, const State* st, int version) {
+  if (st->bad) {
+    return;  // non-finite gradient: the step of this scope is skipped
+  }
+  const int t = m.tensor_of[blockIdx.x];
+  const int64_t begin = static_cast<int64_t>(m.chunk_of[blockIdx.x]) * kChunk;
+  const int64_t end = min(begin + kChunk, m.n[t]);
+  scalar_t* x = static_cast<scalar_t*>(m.x[t]);
+  scalar_t* so = static_cast<scalar_t*>(m.so[t]);
+  scalar_t* sd = static_cast<scalar_t*>(m.sd[t]);
+  const scalar_t* g = static_cast<const scalar_t*>(m.g[t]);
+  const double* h = hyper + m.row[t] * kHyperCols;
+  const scalar_t wd = static_cast<scalar_t>(h[kWeightDecay]);
+  const scalar_t sgn = h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
+  const scalar_t tau_eff = pruned(m, hyper, t) ? tau_of<scalar_t>(st) : scalar_t(-1);
+  const scalar_t lr = static_cast<scalar_t>(h[kLrK]);
+  const scalar_t nlr = static_cast<scalar_t>(-h[kLrK]);
+  const scalar_t a_scale = static_cast<scalar_t>(h[kLrK1] * a_factor(version, st->r));
+  const scalar_t eps = static_cast<scalar_t>(h[kEps]);
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    scalar_t xi = x[i], soi = so[i], sdi = sd[i];
+    const scalar_t gi = effective_grad<scalar_t>(xi, g[i], wd, sgn);
+    update_one<scalar_t>(xi, soi, sdi, gi, tau_eff, nlr, lr, a_scale, eps, version);
+    x[i] = xi;
+    so[i] = soi;
+    sd[i] = sdi;
+  }
+}
+
+__global__ void write_tau_kernel(const State* st, float* out_f, double* out_d) {
+  if (out_f != nullptr) {
+    *out_f = st->bad ? __int_as_float(0x7fc00000) : tau_of<float>(st);
+  } else {
+    *out_d = st->bad ? __longlong_as_double(0x7ff8000000000000ll) : tau_of<double>(st);
+  }
+}
+
+// Runs the radix passes; leaves prefix (tau) and the bad flag in *st.
+template <typename scalar_t>
+void select(const std::vector<Meta>& batches, const double* hyper, bool wd, State* st, unsigned long long* ghist,
+    cudaStream_t stream) {
+  int bits_left = KeyOf<scalar_t>::kBits;
+  bool first = true;
+  while (bits_left > 0) {
+    const int bits = bits_left < kDigit ? bits_left : kDigit;
+    const int shift = bits_left - bits;
+    for (const Meta& m : batches) {
+      // without weight decay the key needs g only
+      hist_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyper, wd, st, ghist, shift, bits, first);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    select_kernel<<<1, kThreads, 0, stream>>>(st, ghist, shift, bits, first);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    bits_left = shift;
+    first = false;
+  }
+}
+
+at::Tensor topk_threshold_cuda(at::TensorList values, int64_t k) {
+  TORCH_CHECK_VALUE(!values.empty(), "topk_threshold: values must not be empty");
+  const auto& v0 = values[0];
+  TORCH_CHECK_VALUE(v0.scalar_type() == at::kFloat || v0.scalar_type() == at::kDouble,
+      "topk_threshold: values must be float32 or float64, got ", v0.scalar_type());
+  c10::cuda::CUDAGuard guard(v0.device());
+  std::vector<at::Tensor> keep;
+  std::vector<Host> hs;
+  int64_t total = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    TORCH_CHECK_VALUE(values[i].scalar_type() == v0.scalar_type() && values[i].device() == v0.device(),
+        "topk_threshold: values[", i, "] must have the dtype and device of values[0]");
+    if (values[i].numel() == 0) {
+      continue;
+    }
+    keep.push_back(values[i].contiguous());
+    hs.push_back(Host{nullptr, nullptr, nullptr, keep.back().data_ptr(), values[i].numel(), 0});
+    total += values[i].numel();
+  }
+  TORCH_CHECK_VALUE(k >= 1 && k <= total, "topk_threshold: k must be in [1, n=", total, "], got ", k);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor st_buf = at::empty({static_cast<int64_t>(sizeof(State))}, v0.options().dtype(at::kByte));
+  at::Tensor ghist = at::zeros({kBins}, v0.options().dtype(at::kLong));
+  State* st = reinterpret_cast<State*>(st_buf.data_ptr());
+  init_state<<<1, 1, 0, stream>>>(st, k, 0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto batches = make_batches(hs);
+  at::Tensor out = at::empty({}, v0.options());
+  AT_DISPATCH_FLOATING_TYPES(v0.scalar_type(), "topk_threshold", [&] {
+    select<scalar_t>(batches, nullptr, false, st, reinterpret_cast<unsigned long long*>(ghist.data_ptr()), stream);
+  });
+  if (v0.scalar_type() == at::kFloat) {
+    write_tau_kernel<<<1, 1, 0, stream>>>(st, out.data_ptr<float>(), nullptr);
+  } else {
+    write_tau_kernel<<<1, 1, 0, stream>>>(st, nullptr, out.data_ptr<double>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
+    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version) {
+  TORCH_CHECK_VALUE(version >= 0 && version <= 4, "prunadag_step_: version must be 0 (relevant_only) or 1..4, got ",
+      version);
+  const size_t nt = params.size();
+  if (nt == 0) {
+    return;
+  }
+  const auto& p0 = params[0];
+  TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble,
+      "prunadag_step_: params must be float32 or float64, got ", p0.scalar_type());
+  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
+      hyper.size(1) == kHyperCols && hyper.device() == p0.device(),
+      "prunadag_step_: hyper must be a float64 tensor of shape (", nt, ", ", kHyperCols, ") on ", p0.device());
+  for (size_t i = 0; i < nt; ++i) {
+    TORCH_CHECK_VALUE(params[i].scalar_type() == p0.scalar_type() && params[i].device() == p0.device(),
+        "prunadag_step_: params[", i, "] must have the dtype and device of params[0]");
+  }
+  TORCH_CHECK_VALUE(opt_sums.size() == nt && dec_sums.size() == nt && grads.size() == nt,
+      "prunadag_step_: opt_sums, dec_sums and grads must have ", nt, " tensors");
+  for (size_t i = 0; i < nt; ++i) {
+    for (const auto* lst : {&opt_sums, &dec_sums, &grads}) {
+      const auto& t = (*lst)[i];
+      TORCH_CHECK_VALUE(t.scalar_type() == p0.scalar_type() && t.device() == p0.device() &&
+          t.sizes() == params[i].sizes(), "prunadag_step_: opt_sums[", i, "], dec_sums[", i, "] and grads[", i,
+          "] must match params[", i, "] in dtype, device and shape");
+    }
+  }
+  c10::cuda::CUDAGuard guard(p0.device());
+  // Which tensors are pruned and how many elements take part is read from
+  // `hyper` on the device (no host synchronisation); the Python wrapper has
+  // already checked 1 <= T <= n.
+  const at::Tensor h = hyper.contiguous();
+  std::vector<at::Tensor> xs(nt), sos(nt), sds(nt), gs(nt);
+  std::vector<Host> hs;
+  for (size_t i = 0; i < nt; ++i) {
+    xs[i] = params[i].contiguous();
+    sos[i] = opt_sums[i].contiguous();
+    sds[i] = dec_sums[i].contiguous();
+    gs[i] = grads[i].contiguous();
+    if (params[i].numel() == 0) {
+      continue;
+    }
+    hs.push_back(Host{xs[i].data_ptr(), sos[i].data_ptr(), sds[i].data_ptr(), gs[i].data_ptr(), params[i].numel(),
+        static_cast<int>(i)});
+  }
+  if (hs.empty()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(relevant >= 0, "prunadag_step_: relevant (T) must be >= 0, got ", relevant);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto batches = make_batches(hs);
+  int nblocks = 0;
+  for (const auto& m : batches) {
+    nblocks += m.nchunks;
+  }
+  at::Tensor st_buf = at::empty({static_cast<int64_t>(sizeof(State))}, p0.options().dtype(at::kByte));
+  at::Tensor ghist = at::zeros({kBins}, p0.options().dtype(at::kLong));
+  at::Tensor partials = at::empty({2 * static_cast<int64_t>(nblocks)}, p0.options().dtype(at::kDouble));
+  State* st = reinterpret_cast<State*>(st_buf.data_ptr());
+  init_state<<<1, 1, 0, stream>>>(st, relevant, 1);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const double* hyp = h.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_step_", [&] {
+    select<scalar_t>(batches, hyp, true, st, reinterpret_cast<unsigned long long*>(ghist.data_ptr()), stream);
+    for (const Meta& m : batches) {
+      norms_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, partials.data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    finalize_kernel<<<1, kThreads, 0, stream>>>(st, partials.data_ptr<double>(), nblocks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for (const Meta& m : batches) {
+      update_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, static_cast<int>(version));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  for (size_t i = 0; i < nt; ++i) {
+    if (!xs[i].is_same(params[i])) {
+      params[i].copy_(xs[i]);
+    }
+    if (!sos[i].is_same(opt_sums[i])) {
+      opt_sums[i].copy_(sos[i]);
+    }
+    if (!sds[i].is_same(dec_sums[i])) {
+      dec_sums[i].copy_(sds[i]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace prunopt
+
+TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
+  m.impl("topk_threshold", &prunopt::cuda::topk_threshold_cuda);
+  m.impl("prunadag_step_", &prunopt::cuda::prunadag_step_cuda);
+}

@@ -1,0 +1,456 @@
+r"""prunAdag: pruning-aware Adagrad with a global top-T relevant set (SPEC.md §2;
+Porcelli, Seraghiti, Toint 2025, Algorithm 2.1).
+
+Per step, over the ``n`` elements that take part (the pruned parameters of a
+selection scope):
+
+.. math::
+    g &\leftarrow \pm(g + \lambda x), \qquad lr_k = lr / (1 + k\,\mathrm{lr\_decay}) \\
+    \mathcal R &= \{i : |g_i| \ge \tau\},\ \tau = T\text{-th largest } |g| \quad (2.6) \\
+    (w^O_i)^2 &\leftarrow (w^O_i)^2 + g_i^2,\quad s_i = -lr_k\, g_i / (w^O_i + \epsilon) \quad (2.7, 2.9) \\
+    \mathcal M &= \{i \notin \mathcal R : x_i g_i > 0\},\quad
+    \mathcal A = \{i \in \mathcal M : a_i \le |s_i| \le b_i\} \quad (2.8,\ \text{Table 1}) \\
+    \mathcal O &= \mathcal R \cup \mathcal A: x_i \mathrel{+}= s_i;\qquad
+    \mathcal D = \mathcal O^C: (w^D_i)^2 \mathrel{+}= x_i^2,\ x_i \mathrel{-}= \mathrm{sign}(x_i)\min(a_i, |s^L_i|)\ [i \in \mathcal M] \quad (2.10, 2.16)
+
+with ``a_i = lr_k |x_i| / (k+1) * r`` (versions 1, 3; ``r = ||g||_R / ||x||_M``)
+or without ``r`` (versions 2, 4), and ``b_i = |x_i|`` (versions 3, 4) or infinity.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from prunopt._extension import extension_available
+from prunopt.reference.prunadag import VERSIONS, TensorHyper, effective_grad, prunadag_step_reference, resolve_relevant
+
+__all__ = ["PrunAdag", "prunadag"]
+
+SCOPES = ("global", "group", "tensor")
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def _version_code(version) -> int:
+    return 0 if version == "relevant_only" else int(version)
+
+
+def _check_relevant(relevant, name="relevant"):
+    if isinstance(relevant, bool) or not isinstance(relevant, (int, float)):
+        raise TypeError(f"{name} must be an int >= 1 or a float in (0, 1], got {type(relevant).__name__}")
+    if isinstance(relevant, int):
+        if relevant < 1:
+            raise ValueError(f"{name} must be >= 1 when it is an int, got {relevant}")
+    elif not (0.0 < relevant <= 1.0):
+        raise ValueError(f"{name} must be in (0, 1] when it is a float, got {relevant}")
+
+
+def _check_hyper(group: dict) -> None:
+    for key in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+        v = group[key]
+        if isinstance(v, Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"{key} must be a number or a one-element tensor")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{key} must be a real number, got {type(v).__name__}")
+        if not (v >= 0.0) or math.isinf(v):
+            raise ValueError(f"Invalid {key} value: {v} (must be a finite number >= 0)")
+    _check_relevant(group["relevant"])
+    if group["version"] not in VERSIONS or isinstance(group["version"], bool):
+        raise ValueError(f"version must be one of {VERSIONS}, got {group['version']!r}")
+    if group["scope"] not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {group['scope']!r}")
+    if not isinstance(group["prune"], bool):
+        raise TypeError(f"prune must be a bool, got {type(group['prune']).__name__}")
+    if group["foreach"] and group["fused"]:
+        raise ValueError("foreach and fused cannot both be True")
+    if group["fused"] and not extension_available():
+        raise ValueError("fused=True needs the compiled extension prunopt._C, which is not loaded")
+
+
+def _fused_supported(tensors: List[Tensor]) -> bool:
+    if not extension_available() or not tensors:
+        return False
+    from prunopt.ops import PRUNADAG_DEVICES
+
+    t0 = tensors[0]
+    return (
+        t0.device.type in PRUNADAG_DEVICES
+        and t0.dtype in _FUSED_DTYPES
+        and all(t.device == t0.device and t.dtype == t0.dtype for t in tensors)
+    )
+
+
+class _Scope:
+    """The tensors of one selection scope and their per-tensor hyper-parameters."""
+
+    def __init__(self):
+        self.params: List[Tensor] = []
+        self.grads: List[Tensor] = []
+        self.opt_sums: List[Tensor] = []
+        self.dec_sums: List[Tensor] = []
+        self.steps: List[Tensor] = []
+        self.hypers: List[TensorHyper] = []
+        self.relevant = 1.0
+        self.version = 3
+
+    def n(self) -> int:
+        return sum(p.numel() for p, h in zip(self.params, self.hypers) if h.prune)
+
+    def target(self) -> int:
+        return resolve_relevant(self.relevant, self.n()) if self.n() > 0 else 0
+
+
+def _check_grads(scopes: List[_Scope]) -> None:
+    for s in scopes:
+        for i, (p, g) in enumerate(zip(s.params, s.grads)):
+            if g.is_sparse or g.layout != torch.strided:
+                raise TypeError("PrunAdag does not support sparse gradients")
+            if torch.is_complex(p) or torch.is_complex(g):
+                raise TypeError("PrunAdag does not support complex parameters or gradients")
+            if g.shape != p.shape:
+                raise ValueError(f"grad of shape {tuple(g.shape)} does not match its parameter {tuple(p.shape)}")
+
+
+def _check_finite(scopes: List[_Scope]) -> None:
+    """Non-finite gradients (documented behaviour): the whole step is rejected
+    with ValueError before anything is written."""
+    for s in scopes:
+        for p, g, h in zip(s.params, s.grads, s.hypers):
+            if not bool(torch.isfinite(effective_grad(p, g, h)).all()):
+                raise ValueError("PrunAdag: grads contain a non-finite value; the step was skipped (nothing was updated)")
+
+
+def _single_tensor_scope(s: _Scope, T: int) -> None:
+    hypers = [TensorHyper(**{**h.__dict__, "k": float(st.item())}) for h, st in zip(s.hypers, s.steps)]
+    prunadag_step_reference(s.params, s.grads, s.opt_sums, s.dec_sums, hypers, T, s.version)
+
+
+def _foreach_scope(s: _Scope, T: int) -> None:
+    """Batched path: one flat buffer per role, whole-vector ops, then copy back."""
+    if not s.params:
+        return
+    dtypes = {p.dtype for p in s.params}
+    if len(dtypes) > 1 or len({p.device for p in s.params}) > 1:
+        return _single_tensor_scope(s, T)  # a flat buffer needs one dtype and device
+    with torch.no_grad():
+        ks = [float(st.item()) for st in s.steps]
+        hyp = [TensorHyper(**{**h.__dict__, "k": k}) for h, k in zip(s.hypers, ks)]
+        sizes = [p.numel() for p in s.params]
+        dev, dt = s.params[0].device, s.params[0].dtype
+        x = torch.cat([p.reshape(-1) for p in s.params])
+        g = torch.cat([effective_grad(p, gr, h).reshape(-1) for p, gr, h in zip(s.params, s.grads, hyp)])
+        so = torch.cat([t.reshape(-1) for t in s.opt_sums])
+        sd = torch.cat([t.reshape(-1) for t in s.dec_sums])
+        if not bool(torch.isfinite(g).all()):
+            raise ValueError("PrunAdag: grads contain a non-finite value; the step was skipped (nothing was updated)")
+        sz = torch.tensor(sizes, device=dev)
+
+        def per_elem(values, dtype=dt):
+            return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=dev), sz, output_size=x.numel())
+
+        prune = per_elem([h.prune for h in hyp], torch.bool)
+        n = int(sum(sz_ for sz_, h in zip(sizes, hyp) if h.prune))
+        ag = g.abs()
+        if n > 0 and T < n:
+            tau = torch.kthvalue(ag[prune], n - T + 1).values
+            rel = (ag >= tau) | ~prune
+        else:
+            rel = torch.ones_like(prune)
+        m = (~rel) & (x * g > 0)
+        g_r = (g.double().pow(2) * (rel & prune)).sum().item()
+        x_m = (x.double().pow(2) * m).sum().item()
+        ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
+        lr_k = per_elem([h.lr_k for h in hyp])
+        eps = per_elem([h.eps for h in hyp])
+        r_fac = 1.0 if s.version in (2, 4) else ratio
+        scale = per_elem([h.lr_k / (h.k + 1.0) * r_fac for h in hyp])
+        so_new = so + g * g
+        s_opt = (g * -lr_k) / (so_new.sqrt() + eps)
+        ax = x.abs()
+        a = ax * scale
+        if s.version == "relevant_only":
+            acc = torch.zeros_like(m)
+        else:
+            acc = m & (a <= s_opt.abs())
+            if s.version in (3, 4):
+                acc &= s_opt.abs() <= ax
+        opt = rel | acc
+        sd_new = sd + x * x
+        s_l = (ax * lr_k) / (sd_new.sqrt() + eps)
+        dec = torch.where(m, torch.minimum(a, s_l), torch.zeros_like(a))
+        x_new = torch.where(opt, x + s_opt, x - torch.sign(x) * dec)
+        so_out = torch.where(opt, so_new, so)
+        sd_out = torch.where(opt, sd, sd_new)
+        for dst, src in ((s.params, x_new), (s.opt_sums, so_out), (s.dec_sums, sd_out)):
+            torch._foreach_copy_(dst, [c.view_as(d) for c, d in zip(src.split(sizes), dst)])
+
+
+def _hyper_tensor(s: _Scope) -> Tensor:
+    """Per-tensor scalars for the fused op, built with tensor ops from the step
+    counters (no host synchronisation on CUDA): columns
+    ``[lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune]``."""
+    dev = s.params[0].device
+    k = torch.stack([st.reshape(()).to(device=dev, dtype=torch.float64) for st in s.steps])
+    consts = torch.tensor(
+        [[h.lr, h.lr_decay, h.weight_decay, h.eps, float(h.maximize), float(h.prune)] for h in s.hypers],
+        dtype=torch.float64,
+        device=dev,
+    )
+    lr_k = consts[:, 0] / (1.0 + k * consts[:, 1])
+    return torch.stack([lr_k, lr_k / (k + 1.0), consts[:, 2], consts[:, 3], consts[:, 4], consts[:, 5]], dim=1)
+
+
+def _fused_scope(s: _Scope, T: int) -> None:
+    if not s.params:
+        return
+    torch.ops.prunopt.prunadag_step_(
+        s.params, s.opt_sums, s.dec_sums, [g.contiguous() for g in s.grads], _hyper_tensor(s), T, _version_code(s.version)
+    )
+
+
+def _run_scopes(scopes: List[_Scope], impl: str) -> None:
+    _check_grads(scopes)
+    targets = [s.target() for s in scopes]  # validates int T <= n before any write
+    if impl == "fused":
+        # One kernel call is atomic (it validates before writing); with several
+        # calls the finiteness check runs first so that nothing is half-updated.
+        if len(scopes) > 1:
+            _check_finite(scopes)
+        fn = _fused_scope
+    else:
+        _check_finite(scopes)
+        fn = _foreach_scope if impl == "foreach" else _single_tensor_scope
+    for s, T in zip(scopes, targets):
+        fn(s, T)
+    steps = [st for s in scopes for st in s.steps]
+    if steps:
+        torch._foreach_add_(steps, 1)
+
+
+def prunadag(
+    params: List[Tensor],
+    grads: List[Tensor],
+    opt_sums: List[Tensor],
+    dec_sums: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float = 1e-2,
+    relevant=0.1,
+    version=3,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    eps: float = 1e-10,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
+    fused: Optional[bool] = None,
+) -> None:
+    r"""Functional prunAdag (Algorithm 2.1): one step over ``params`` as a single
+    selection scope (one global top-T set and one ratio ``r``), in place.
+
+    ``opt_sums`` are :math:`(w^O)^2` and ``dec_sums`` :math:`(w^D)^2` (eq. 2.15);
+    ``state_steps`` are the step counters ``k`` (tensors, incremented here).
+    See :class:`PrunAdag` for the hyper-parameters.
+    """
+    group = dict(lr=lr, relevant=relevant, version=version, scope="global", lr_decay=lr_decay,
+                 weight_decay=weight_decay, initial_accumulator_value=0.0, eps=eps, maximize=maximize,
+                 foreach=foreach, fused=fused, prune=True)
+    _check_hyper(group)
+    s = _Scope()
+    s.params, s.grads, s.opt_sums, s.dec_sums, s.steps = list(params), list(grads), list(opt_sums), list(dec_sums), list(state_steps)
+    s.hypers = [TensorHyper(lr=float(lr), lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize) for _ in params]
+    s.relevant, s.version = relevant, version
+    _run_scopes([s], _choose_impl(s.params + s.grads + s.opt_sums + s.dec_sums, foreach, fused))
+
+
+def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
+    if fused:
+        if not _fused_supported(tensors):
+            raise ValueError("fused=True needs float32/float64 tensors on one device with a compiled prunadag kernel")
+        return "fused"
+    if foreach is False:
+        return "single"
+    if foreach is None and fused is None and _fused_supported(tensors):
+        return "fused"
+    return "foreach"
+
+
+class PrunAdag(torch.optim.Optimizer):
+    r"""prunAdag (Porcelli, Seraghiti, Toint 2025, Algorithm 2.1; SPEC.md §2).
+
+    Adagrad on the *optimisable* elements ``O = R ∪ A`` (eq. 2.4, 2.9) and an
+    Adagrad-like trust-region shrink of the *decreasable* ones ``D`` (eq. 2.10,
+    2.16), so that the solution is robust to a posteriori magnitude pruning.
+
+    Args:
+        params: parameters or param groups. A group key ``prune`` (default True)
+            set to False makes that group take the plain Adagrad step (biases,
+            norms) and keeps it out of ``n``, ``T`` and ``r``.
+        lr: learning rate (the paper uses 1).
+        relevant: ``T`` of eq. 2.6: an int (``1 <= T <= n``) or a float in (0, 1]
+            giving ``T = ceil(relevant * n)``. ``relevant=1.0`` is Adagrad exactly.
+        version: 1, 2, 3, 4 (Table 1) or ``"relevant_only"`` (``O = R``, the
+            paper's ablation of section 3.1.1; its shrink uses version 3's ``a``).
+        scope: ``"global"`` (one top-T set and ratio over all pruned groups, the
+            paper's reading), ``"group"`` (per param group) or ``"tensor"``.
+        lr_decay: ``lr_k = lr / (1 + k lr_decay)``.
+        weight_decay: ``g <- g + weight_decay * x`` (applied before ``maximize``).
+        initial_accumulator_value: ``ς``, the start of both :math:`(w^O)^2` and
+            :math:`(w^D)^2` (eq. 2.15; the paper uses 0.01).
+        eps: added to :math:`w^O` and :math:`w^D` in the denominators (paper: 0).
+        maximize: negate the (weight-decayed) gradient.
+        foreach, fused: choose the implementation; by default the fused kernel
+            when the extension has one for the device and dtype, else foreach.
+            ``foreach=False`` runs the readable single-tensor reference.
+
+    State per parameter: ``step`` (tensor), ``sum`` (:math:`(w^O)^2`) and
+    ``decrease_sum`` (:math:`(w^D)^2`).
+
+    Non-finite gradients: a step whose (effective) gradient has a NaN or inf
+    anywhere raises ``ValueError`` and changes nothing (no parameter, no
+    accumulator, no step counter). On CUDA the fused kernel cannot raise without
+    a host synchronisation; it skips the update of the affected scope instead
+    (documented in docs/prunadag.md).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        relevant=0.1,
+        version=3,
+        scope: str = "global",
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.01,
+        eps: float = 1e-10,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+    ):
+        defaults = dict(
+            lr=lr, relevant=relevant, version=version, scope=scope, lr_decay=lr_decay, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize, foreach=foreach,
+            fused=fused, prune=True,
+        )
+        _check_hyper(dict(defaults))
+        super().__init__(params, defaults)
+        self._check_consistency()
+        total = sum(p.numel() for g in self.param_groups if g["prune"] for p in g["params"])
+        for g in self.param_groups:
+            if g["prune"] and isinstance(g["relevant"], int) and g["relevant"] > total:
+                raise ValueError(f"relevant={g['relevant']} exceeds the number of pruned elements (n={total})")
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p, group)
+
+    def _init_state(self, p: Tensor, group: dict) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            v = group["initial_accumulator_value"]
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
+            state["decrease_sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_hyper(group)
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+        if hasattr(self, "state") and self.state is not None and len(self.param_groups) > 1:
+            try:
+                self._check_consistency()
+            except ValueError:
+                self.param_groups.pop()
+                raise
+            for p in group["params"]:
+                self._init_state(p, group)
+
+    def _check_consistency(self) -> None:
+        scopes = {g["scope"] for g in self.param_groups}
+        if len(scopes) > 1:
+            raise ValueError(f"scope must be the same in every param group, got {sorted(scopes)}")
+        if scopes == {"global"}:
+            pruned = [g for g in self.param_groups if g["prune"]]
+            for key in ("relevant", "version"):
+                vals = {repr(g[key]) for g in pruned}
+                if len(vals) > 1:
+                    raise ValueError(f"with scope='global', {key} must be the same in every pruned param group, got {sorted(vals)}")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("relevant", 0.1)
+            group.setdefault("version", 3)
+            group.setdefault("scope", "global")
+            group.setdefault("prune", True)
+            group.setdefault("foreach", None)
+            group.setdefault("fused", None)
+            group.setdefault("maximize", False)
+            group.setdefault("lr_decay", 0.0)
+            group.setdefault("weight_decay", 0.0)
+            group.setdefault("eps", 1e-10)
+            group.setdefault("initial_accumulator_value", 0.01)
+        for s in self.state.values():
+            if "step" in s and not torch.is_tensor(s["step"]):
+                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+            if "sum" in s:
+                s.setdefault("decrease_sum", torch.full_like(s["sum"], 0.01))
+
+    def _scopes(self) -> List[_Scope]:
+        scope_kind = self.param_groups[0]["scope"] if self.param_groups else "global"
+        out: List[_Scope] = []
+        shared: Dict[str, _Scope] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, group)
+                if group["prune"]:
+                    key = "g" if scope_kind == "global" else (f"group{gi}" if scope_kind == "group" else f"t{id(p)}")
+                else:
+                    key = "adagrad"
+                if key not in shared:
+                    shared[key] = _Scope()
+                    shared[key].relevant, shared[key].version = group["relevant"], group["version"]
+                    out.append(shared[key])
+                s = shared[key]
+                s.params.append(p)
+                s.grads.append(p.grad)
+                s.opt_sums.append(state["sum"])
+                s.dec_sums.append(state["decrease_sum"])
+                s.steps.append(state["step"])
+                lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
+                s.hypers.append(TensorHyper(lr=float(lr), lr_decay=group["lr_decay"], weight_decay=group["weight_decay"],
+                                            eps=group["eps"], maximize=group["maximize"], prune=group["prune"]))
+        # With global scope the Adagrad-only tensors ride along in the single
+        # fused call (they are always optimisable and excluded from n, T, r).
+        if scope_kind == "global" and "adagrad" in shared and "g" in shared:
+            g, a = shared["g"], shared["adagrad"]
+            for attr in ("params", "grads", "opt_sums", "dec_sums", "steps", "hypers"):
+                getattr(g, attr).extend(getattr(a, attr))
+            out.remove(a)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one prunAdag step (Algorithm 2.1) and returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scopes = self._scopes()
+        if not scopes:
+            return loss
+        group0 = self.param_groups[0]
+        tensors = [t for s in scopes for t in s.params + s.grads + s.opt_sums + s.dec_sums]
+        _run_scopes(scopes, _choose_impl(tensors, group0["foreach"], group0["fused"]))
+        return loss

@@ -1,0 +1,82 @@
+"""A posteriori magnitude pruning and the prunAdag paper's robustness measures
+(section 3, eq. 3.1; SPEC.md §2)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["magnitude_prune_", "magnitude_masks", "rho_omega", "sparsity"]
+
+
+def _as_list(params) -> List[Tensor]:
+    if isinstance(params, Tensor):
+        return [params]
+    if isinstance(params, (list, tuple)) and all(isinstance(p, Tensor) for p in params):
+        return list(params)
+    raise TypeError(f"params must be a Tensor or a list/tuple of Tensors, got {type(params).__name__}")
+
+
+def magnitude_masks(params, sigma: Optional[float] = None, delta: Optional[float] = None) -> List[Tensor]:
+    """Keep-masks (True = kept) of global magnitude pruning over all ``params``.
+
+    Exactly one of:
+      * ``sigma`` in [0, 1]: remove the ``round(sigma * n)`` elements of smallest
+        ``|x|`` (ties broken by position, so the count is exact);
+      * ``delta >= 0``: remove every element with ``|x| < delta``.
+    """
+    ps = _as_list(params)
+    if (sigma is None) == (delta is None):
+        raise ValueError("give exactly one of sigma (a fraction) or delta (a threshold)")
+    if sigma is not None:
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0.0 <= sigma <= 1.0:
+            raise ValueError(f"sigma must be a fraction in [0, 1], got {sigma}")
+        n = sum(p.numel() for p in ps)
+        count = int(round(sigma * n))
+        flat = torch.cat([p.detach().reshape(-1).abs() for p in ps]) if ps else torch.zeros(0)
+        keep = torch.ones(n, dtype=torch.bool, device=flat.device)
+        if count > 0:
+            order = torch.sort(flat, stable=True).indices
+            keep[order[:count]] = False
+        return [m.view_as(p) for m, p in zip(keep.split([p.numel() for p in ps]), ps)]
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta >= 0 or math.isinf(delta):
+        raise ValueError(f"delta must be a finite number >= 0, got {delta}")
+    return [p.detach().abs() >= delta for p in ps]
+
+
+@torch.no_grad()
+def magnitude_prune_(params, sigma: Optional[float] = None, delta: Optional[float] = None) -> List[Tensor]:
+    """Zeroes the pruned elements in place (see :func:`magnitude_masks`) and
+    returns the keep-masks."""
+    ps = _as_list(params)
+    masks = magnitude_masks(ps, sigma=sigma, delta=delta)
+    for p, m in zip(ps, masks):
+        p.mul_(m)
+    return masks
+
+
+def sparsity(params) -> float:
+    """Fraction of exactly-zero elements over all ``params``."""
+    ps = _as_list(params)
+    n = sum(p.numel() for p in ps)
+    return sum(int((p == 0).sum()) for p in ps) / n if n else 0.0
+
+
+def rho_omega(f: Callable[[Sequence[Tensor]], Tensor], x: Sequence[Tensor], x_pruned: Sequence[Tensor]) -> Tuple[float, float]:
+    r"""The paper's measures (eq. 3.1) of how much pruning perturbs a solution:
+
+    .. math:: \rho = \|\nabla f(\bar x)\|, \qquad \omega = \sqrt{|f(\bar x) - f(x)|}
+
+    ``f`` maps a list of tensors to a scalar tensor; gradients are taken with
+    autograd at the pruned point ``x_pruned`` (in float64 when given float64).
+    """
+    xs = [t.detach().clone().requires_grad_(True) for t in x_pruned]
+    with torch.enable_grad():
+        fp = f(xs)
+        grads = torch.autograd.grad(fp, xs, allow_unused=True)
+    rho = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    with torch.no_grad():
+        f0 = float(f([t.detach() for t in x]))
+    return rho, math.sqrt(abs(float(fp.detach()) - f0))

@@ -1,0 +1,168 @@
+"""Reference prunAdag step, top-T threshold and Frank-Wolfe LMO (SPEC.md section 2;
+Porcelli, Seraghiti, Toint, "prunAdag", Algorithm 2.1).
+
+Written for reading, not for speed: the relevant set is found with
+``torch.kthvalue`` on the concatenated ``|g|`` and every set of the algorithm is
+a boolean tensor. The element arithmetic is done in the parameter's dtype, in
+the same order as the fused kernels (so float32 results agree to rounding);
+the two norms of the ratio ``r`` are reduced in float64.
+
+One *selection scope* is a list of tensors that share the relevant set ``R``
+(one global top-T) and the ratio ``r``. Per tensor, a :class:`TensorHyper` holds
+the hyper-parameters of its param group and its step counter ``k``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TensorHyper",
+    "VERSIONS",
+    "resolve_relevant",
+    "topk_threshold_reference",
+    "effective_grad",
+    "prunadag_step_reference",
+    "support_norm_lmo_reference",
+]
+
+#: Accepted values of ``version``: Table 1's four rules and the paper's
+#: "Relevant only" ablation (section 3.1.1, ``O = R``).
+VERSIONS = (1, 2, 3, 4, "relevant_only")
+
+
+@dataclass
+class TensorHyper:
+    """Hyper-parameters of one tensor's param group and its step counter ``k``
+    (0 on the first step)."""
+
+    lr: float
+    k: float = 0.0
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    eps: float = 1e-10
+    maximize: bool = False
+    prune: bool = True
+
+    @property
+    def lr_k(self) -> float:
+        """``lr_k = lr / (1 + k * lr_decay)`` (SPEC.md section 2, step 1)."""
+        return self.lr / (1.0 + self.k * self.lr_decay)
+
+
+def resolve_relevant(relevant, n: int, name: str = "relevant") -> int:
+    """The target ``T`` of eq. 2.6: ``relevant`` itself if it is an int
+    (``1 <= T <= n``), ``ceil(relevant * n)`` if it is a float in ``(0, 1]``."""
+    if isinstance(relevant, bool) or not isinstance(relevant, (int, float)):
+        raise TypeError(f"{name} must be an int >= 1 or a float in (0, 1], got {type(relevant).__name__}")
+    if isinstance(relevant, int):
+        if relevant < 1:
+            raise ValueError(f"{name} must be >= 1 when it is an int, got {relevant}")
+        if relevant > n:
+            raise ValueError(f"{name}={relevant} exceeds the number of elements that take part (n={n})")
+        return relevant
+    if not (0.0 < relevant <= 1.0) or math.isnan(relevant):
+        raise ValueError(f"{name} must be in (0, 1] when it is a float, got {relevant}")
+    return max(1, min(n, math.ceil(relevant * n))) if n > 0 else 0
+
+
+def topk_threshold_reference(values: Sequence[Tensor], k: int) -> Tensor:
+    """``tau`` = the ``k``-th largest ``|v|`` over all tensors (eq. 2.6): the value
+    ``torch.kthvalue`` gives on the concatenation at rank ``n - k + 1``."""
+    flat = torch.cat([v.detach().reshape(-1).abs() for v in values])
+    n = flat.numel()
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}], got {k}")
+    return torch.kthvalue(flat, n - k + 1).values
+
+
+def effective_grad(x: Tensor, g: Tensor, hp: TensorHyper) -> Tensor:
+    """Step 1: ``g <- g + weight_decay * x``, then ``g <- -g`` if maximize."""
+    d = g if hp.weight_decay == 0 else g.add(x, alpha=hp.weight_decay)
+    return -d if hp.maximize else d
+
+
+def prunadag_step_reference(
+    params: List[Tensor],
+    grads: List[Tensor],
+    opt_sums: List[Tensor],
+    dec_sums: List[Tensor],
+    hypers: List[TensorHyper],
+    T: int,
+    version,
+) -> None:
+    """One prunAdag step (Algorithm 2.1) on one selection scope, in place.
+
+    ``opt_sums`` holds ``(w^O)^2`` and ``dec_sums`` holds ``(w^D)^2`` (eq. 2.15).
+    Tensors whose ``hyper.prune`` is False take the plain Adagrad step (they are
+    always optimisable and do not count in ``n``, ``T``, ``r``). ``T`` is the
+    resolved target of eq. 2.6 (``1 <= T <= n`` when ``n > 0``). Raises
+    ``ValueError`` before writing anything if an effective gradient is not finite.
+    """
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    with torch.no_grad():
+        gs = [effective_grad(x, g, hp) for x, g, hp in zip(params, grads, hypers)]
+        for i, g in enumerate(gs):
+            if not bool(torch.isfinite(g).all()):
+                raise ValueError(f"grads[{i}] has a non-finite value; the step is skipped (nothing was updated)")
+        pruned = [i for i, hp in enumerate(hypers) if hp.prune and gs[i].numel() > 0]
+        n = sum(gs[i].numel() for i in pruned)
+        # Step 1, eq. 2.6: R = {|g| >= tau}, tau the T-th largest |g| (ties all relevant)
+        tau = topk_threshold_reference([gs[i] for i in pruned], T) if n > 0 and T < n else None
+        rel = []
+        for i, g in enumerate(gs):
+            if i in pruned and tau is not None:
+                rel.append(g.abs() >= tau)
+            else:
+                rel.append(torch.ones_like(g, dtype=torch.bool))
+        # Step 4: sign-matched irrelevant set M = {i not in R : x_i g_i > 0}
+        match = [(~r) & (x * g > 0) for x, g, r in zip(params, gs, rel)]
+        # Table 1 ratio r = ||g||_R / ||x||_M (float64; SPEC.md resolves S := M)
+        g_r = sum((gs[i].double().pow(2) * rel[i]).sum().item() for i in pruned) if pruned else 0.0
+        x_m = sum((params[i].double().pow(2) * match[i]).sum().item() for i in pruned) if pruned else 0.0
+        ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
+        for x, g, so, sd, r, m, hp in zip(params, gs, opt_sums, dec_sums, rel, match, hypers):
+            lr_k = hp.lr_k
+            # Step 3, eq. 2.7: tentative (w^O)^2 and the Adagrad step of eq. 2.9
+            so_new = so.addcmul(g, g, value=1)
+            std = so_new.sqrt().add_(hp.eps)
+            s_opt = torch.zeros_like(x).addcdiv_(g, std, value=-lr_k)
+            # Table 1 bounds (lr_k makes a and b bound the real step; lr = 1 is the paper)
+            scale = lr_k / (hp.k + 1.0) * (1.0 if version in (2, 4) else ratio)
+            ax = x.abs()
+            a = ax * scale
+            if version == "relevant_only":
+                acc = torch.zeros_like(m)  # section 3.1.1: O = R
+            else:
+                # eq. 2.8: acceptable A = {i in M : a_i <= |s_i| <= b_i}
+                acc = m & (a <= s_opt.abs())
+                if version in (3, 4):
+                    acc &= s_opt.abs() <= ax
+            opt = r | acc  # eq. 2.4: O = R u A;  D = complement
+            # Step 6, eq. 2.10: (w^D)^2 grows by x^2 on D, s^L = -x / w^D
+            sd_new = sd.addcmul(x, x, value=1)
+            s_l = (ax * lr_k) / (sd_new.sqrt().add_(hp.eps))
+            # eq. 2.16: on D ∩ M shrink by min(a, |s^L|) towards 0, else no step
+            dec = torch.where(m, torch.minimum(a, s_l), torch.zeros_like(a))
+            x_dec = x - torch.sign(x) * dec
+            # Step 7 and eq. 2.11
+            x.copy_(torch.where(opt, x + s_opt, x_dec))
+            so.copy_(torch.where(opt, so_new, so))
+            sd.copy_(torch.where(opt, sd, sd_new))
+
+
+def support_norm_lmo_reference(grads: List[Tensor], T: int, radius: float):
+    """LMO of the T-support-norm ball (eq. 1.2): ``v_i = -radius g_i / ||g||_R`` on
+    the top-T set ``R`` of ``|g|``, 0 elsewhere. Returns ``(v_list, ||g||_R)``."""
+    n = sum(g.numel() for g in grads)
+    tau = topk_threshold_reference(grads, T) if n > 0 else None
+    rel = [g.abs() >= tau for g in grads] if tau is not None else [torch.zeros_like(g, dtype=torch.bool) for g in grads]
+    g_r = math.sqrt(sum((g.double().pow(2) * r).sum().item() for g, r in zip(grads, rel)))
+    if g_r == 0:
+        return [torch.zeros_like(g) for g in grads], 0.0
+    return [torch.where(r, -radius * g / g_r, torch.zeros_like(g)) for g, r in zip(grads, rel)], g_r

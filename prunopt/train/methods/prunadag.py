@@ -1,0 +1,54 @@
+"""``prunopt train --method prunadag --sparsity P``: train the example CNN with
+:class:`prunopt.optim.PrunAdag` (conv and linear weights pruned, BN and bias
+parameters in a ``prune=False`` group), then magnitude-prune the weights a
+posteriori to sparsity ``P`` (prunAdag paper, section 3; SPEC.md §2)."""
+from __future__ import annotations
+
+import torch
+
+from prunopt.optim import PrunAdag
+from prunopt.pruning.magnitude import magnitude_prune_, sparsity
+from prunopt.train.data import load_digits
+from prunopt.train.loop import Summary, evaluate, progress, train_epoch, write_outputs
+from prunopt.train.methods import register_method
+from prunopt.train.models import SmallCNN
+
+
+def _version(text):
+    return "relevant_only" if text == "relevant_only" else int(text)
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("prunadag")
+    g.add_argument("--prunadag-relevant", type=float, default=None,
+                   help="prunadag: fraction T/n of relevant weights per step (default: the target density)")
+    g.add_argument("--prunadag-version", type=_version, default=3, choices=[1, 2, 3, 4, "relevant_only"],
+                   help="prunadag: Table 1 version (default 3)")
+
+
+def run(args) -> Summary:
+    torch.manual_seed(args.seed)
+    data = load_digits(seed=args.seed, limit=args.limit)
+    model = SmallCNN(num_classes=data.num_classes)
+    weights = [p for p in model.parameters() if p.dim() > 1]  # conv and linear weights are pruned
+    others = [p for p in model.parameters() if p.dim() <= 1]  # BN and bias: plain Adagrad
+    relevant = args.prunadag_relevant if getattr(args, "prunadag_relevant", None) is not None else max(args.density, 1e-6)
+    version = getattr(args, "prunadag_version", 3)
+    opt = PrunAdag([dict(params=weights), dict(params=others, prune=False)], lr=args.lr if args.lr is not None else 0.2,
+                   relevant=min(1.0, float(relevant)), version=version)
+    epochs = args.epochs or 15
+    gen = torch.Generator().manual_seed(args.seed)
+    history = {"test_acc": []}
+    for _ in progress(range(epochs), "prunadag", args.progress):
+        train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
+        history["test_acc"].append(evaluate(model, data.x_test, data.y_test))
+    dense_acc = evaluate(model, data.x_test, data.y_test)
+    magnitude_prune_(weights, sigma=1.0 - args.density)  # a posteriori, global over all weights
+    pruned_acc = evaluate(model, data.x_test, data.y_test)
+    summary = Summary("prunadag", dense_acc, pruned_acc, 1.0 - sparsity(weights),
+                      extra={"version": version, "relevant": float(relevant), "epochs": epochs})
+    write_outputs(args.out, summary, {"model": model.state_dict(), "optimizer": opt.state_dict()}, history)
+    return summary
+
+
+register_method("prunadag", run, "PrunAdag training, then a posteriori magnitude pruning to --sparsity", add_arguments)

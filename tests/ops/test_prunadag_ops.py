@@ -1,0 +1,202 @@
+"""prunopt ops of prunAdag: topk_threshold vs torch.kthvalue, prunadag_step_
+vs the float64-safe reference (SPEC.md §2), opcheck and errors."""
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, strategies as st
+
+import prunopt
+from prunopt.ops import topk_threshold
+from prunopt.reference.prunadag import TensorHyper, prunadag_step_reference
+
+needs_ext = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
+
+SIZE_CHOICES = [0, 1, 2, 3, 7, 13, 64, 257, 1000, 4097]
+
+
+def _values(sizes, dtype, seed, ties, scale):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        v = torch.randn(n, generator=g, dtype=torch.float64) * scale
+        if ties:
+            v = (v * 2).round() / 2  # many equal magnitudes, zeros and +-0
+        out.append(v.to(dtype))
+    return out
+
+
+@given(
+    sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e6]),
+    frac=st.floats(0.0, 1.0),
+)
+@example(sizes=[4097], dtype=torch.float32, seed=0, ties=True, scale=1.0, frac=0.1)
+@example(sizes=[1], dtype=torch.float64, seed=1, ties=False, scale=1.0, frac=1.0)
+def test_threshold_matches_kthvalue(sizes, dtype, seed, ties, scale, frac):
+    vals = _values(sizes, dtype, seed, ties, scale)
+    n = sum(sizes)
+    if n == 0:
+        with pytest.raises(ValueError, match="k"):
+            topk_threshold(vals, 1)
+        return
+    k = min(n, max(1, int(round(frac * n))))
+    flat = torch.cat([v.abs() for v in vals])
+    expected = torch.kthvalue(flat, n - k + 1).values
+    got = topk_threshold(vals, k)
+    assert got.dtype == dtype and got.dim() == 0
+    assert torch.equal(got, expected)
+
+
+def test_threshold_all_ties_and_noncontiguous():
+    v = torch.ones(100, 3).t()  # non-contiguous, every |v| equal
+    assert topk_threshold(v, 1).item() == 1.0 and topk_threshold(v, 300).item() == 1.0
+    w = torch.tensor([-0.0, 0.0, 2.0, -2.0, 1.0])
+    assert [topk_threshold(w, k).item() for k in range(1, 6)] == [2.0, 2.0, 1.0, 0.0, 0.0]
+    assert topk_threshold(torch.tensor(3.0), 1).item() == 3.0  # 0-dim
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.rand(3), 0), ValueError, "k"),
+        ((torch.rand(3), 4), ValueError, "k"),
+        ((torch.rand(3), 1.5), TypeError, "k"),
+        (("x", 1), TypeError, "values"),
+        (([torch.rand(3), torch.rand(3, dtype=torch.float64)], 1), ValueError, "values"),
+        ((torch.tensor([1.0, math.nan]), 1), ValueError, "non-finite"),
+        ((torch.tensor([1.0, math.inf]), 2), ValueError, "non-finite"),
+        ((torch.arange(4), 1), ValueError, "values"),
+    ],
+)
+def test_threshold_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        topk_threshold(*args)
+
+
+# ---------------------------------------------------------------- the step op
+
+def _case(sizes, dtype, seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
+    gs = [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+    if ties:
+        gs = [(x * 2).round() / 2 for x in gs]
+    gs = [x.to(dtype) for x in gs]
+    so = [(torch.rand(n, generator=g, dtype=torch.float64) + 0.01).to(dtype) for n in sizes]
+    sd = [(torch.rand(n, generator=g, dtype=torch.float64) + 0.01).to(dtype) for n in sizes]
+    return xs, gs, so, sd
+
+
+def _hyper_tensor(hypers):
+    rows = [[h.lr_k, h.lr_k / (h.k + 1), h.weight_decay, h.eps, float(h.maximize), float(h.prune)] for h in hypers]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(hypers), 6)
+
+
+@needs_ext
+@given(
+    sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    version=st.sampled_from([0, 1, 2, 3, 4]),
+    frac=st.floats(0.01, 1.0),
+    k=st.sampled_from([0.0, 1.0, 7.0]),
+    wd=st.sampled_from([0.0, 0.1]),
+    maximize=st.booleans(),
+    unpruned_last=st.booleans(),
+    ties=st.booleans(),
+)
+@example(sizes=[4097, 13], dtype=torch.float32, seed=3, version=3, frac=0.1, k=1.0, wd=0.0, maximize=False,
+         unpruned_last=True, ties=False)
+def test_step_matches_reference(sizes, dtype, seed, version, frac, k, wd, maximize, unpruned_last, ties):
+    xs, gs, so, sd = _case(sizes, dtype, seed, ties)
+    hypers = [TensorHyper(lr=0.7, k=k, lr_decay=0.1, weight_decay=wd, eps=1e-8, maximize=maximize,
+                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
+              for i in range(len(sizes))]
+    n = sum(x.numel() for x, h in zip(xs, hypers) if h.prune)
+    T = min(n, max(1, math.ceil(frac * n))) if n else 0
+    ref = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    prunadag_step_reference(ref[0], gs, ref[1], ref[2], hypers, T, "relevant_only" if version == 0 else version)
+    out = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], gs, _hyper_tensor(hypers), T, version)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-13, rtol=1e-12)
+    for lo, lr in zip(out, ref):
+        for a, b in zip(lo, lr):
+            torch.testing.assert_close(a, b, **tol)
+
+
+@needs_ext
+def test_step_float32_against_float64_reference():
+    """One float32 kernel step is within float32 rounding of the float64 reference."""
+    xs, gs, so, sd = _case([3000, 517], torch.float64, 5, False)
+    hypers = [TensorHyper(lr=1.0, k=2.0, eps=0.0) for _ in xs]
+    ref = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    prunadag_step_reference(ref[0], gs, ref[1], ref[2], hypers, 352, 3)
+    out = [[t.float() for t in lst] for lst in (xs, so, sd)]
+    torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], [g.float() for g in gs], _hyper_tensor(hypers), 352, 3)
+    for lo, lr in zip(out, ref):
+        for a, b in zip(lo, lr):
+            torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=2e-6)
+
+
+@needs_ext
+def test_step_noncontiguous_and_channels_last():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, generator=g).to(memory_format=torch.channels_last)
+    gr = torch.randn(4, 3, 5, 5, generator=g)  # contiguous grad for a channels_last param
+    so = torch.full_like(x, 0.01)
+    sd = torch.full_like(x, 0.01)
+    y = torch.randn(6, 7, generator=g).t()
+    gy = torch.randn(7, 6, generator=g)
+    hyp = [TensorHyper(lr=0.5), TensorHyper(lr=0.5)]
+    ref = [[x.contiguous().clone(), y.contiguous().clone()], [so.contiguous().clone(), torch.full((7, 6), 0.01)],
+           [sd.contiguous().clone(), torch.full((7, 6), 0.01)]]
+    prunadag_step_reference(ref[0], [gr, gy], ref[1], ref[2], hyp, 40, 3)
+    soy, sdy = torch.full((6, 7), 0.01).t(), torch.full((6, 7), 0.01).t()
+    torch.ops.prunopt.prunadag_step_([x, y], [so, soy], [sd, sdy], [gr, gy], _hyper_tensor(hyp), 40, 3)
+    for a, b in zip([x, y, so, soy, sd, sdy], [ref[0][0], ref[0][1], ref[1][0], ref[1][1], ref[2][0], ref[2][1]]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@needs_ext
+def test_step_op_errors_leave_inputs_untouched():
+    xs, gs, so, sd = _case([10, 5], torch.float32, 0, False)
+    hyp = _hyper_tensor([TensorHyper(lr=1.0), TensorHyper(lr=1.0)])
+    before = [t.clone() for t in xs + so + sd]
+    gs[1][2] = math.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 3, 3)
+    gs[1][2] = 0.0
+    with pytest.raises(ValueError, match="relevant"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 16, 3)
+    with pytest.raises(ValueError, match="version"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 3, 9)
+    with pytest.raises(ValueError, match="hyper"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp[:1], 3, 3)
+    with pytest.raises(ValueError, match="grads"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, [gs[0].double(), gs[1]], hyp, 3, 3)
+    with pytest.raises(ValueError, match="opt_sums"):
+        torch.ops.prunopt.prunadag_step_(xs, so[:1], sd, gs, hyp, 3, 3)
+    for a, b in zip(xs + so + sd, before):
+        assert torch.equal(a, b)
+
+
+@needs_ext
+def test_opcheck():
+    xs, gs, so, sd = _case([6, 1, 0, 9], torch.float64, 1, False)
+    hyp = _hyper_tensor([TensorHyper(lr=0.5, k=1.0) for _ in xs])
+    torch.library.opcheck(torch.ops.prunopt.prunadag_step_.default, (xs, so, sd, gs, hyp, 4, 3))
+    torch.library.opcheck(torch.ops.prunopt.topk_threshold.default, ([torch.randn(5, 3), torch.randn(7)], 4))
+
+
+@pytest.mark.slow
+def test_threshold_compiles():
+    def f(a, b):
+        return topk_threshold([a * 2, b], 5)
+
+    a, b = torch.randn(40), torch.randn(9)
+    compiled = torch.compile(f, fullgraph=prunopt.extension_available(), backend="inductor")
+    assert torch.equal(compiled(a, b), f(a, b))

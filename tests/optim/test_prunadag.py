@@ -1,0 +1,315 @@
+"""PrunAdag (SPEC.md §2): the three paths against each other and against
+torch.optim.Adagrad, state dicts, schedulers, compile, errors."""
+import copy
+import math
+
+import pytest
+import torch
+
+import prunopt
+import sys
+
+from prunopt.optim import PrunAdag
+from prunopt.optim.prunadag import prunadag
+from prunopt.reference.prunadag import TensorHyper, prunadag_step_reference
+
+needs_ext = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
+
+SIZES = [(3, 5), (0,), (1,), (13,), (4097,), (7, 11), (2, 3, 4)]
+PATHS = ["single", "foreach"] + (["fused"] if prunopt.extension_available() else [])
+
+
+def _path_kwargs(path):
+    return {"single": dict(foreach=False), "foreach": dict(foreach=True, fused=False), "fused": dict(fused=True)}[path]
+
+
+def _params(dtype, seed=0, sizes=SIZES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in sizes]
+
+
+def _set_grads(ps, it, dtype, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + it)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g, dtype=dtype) * scale
+
+
+def _run(make_opt, dtype, steps=6, sizes=SIZES, groups=None):
+    ps = _params(dtype, sizes=sizes)
+    opt = make_opt(groups(ps) if groups else ps)
+    for it in range(steps):
+        _set_grads(ps, it, dtype)
+        opt.step()
+    return ps, opt
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype, hp", [(torch.float64, dict())] + [
+    (torch.float32, hp) for hp in [dict(), dict(weight_decay=0.05), dict(maximize=True), dict(lr_decay=0.3),
+                                   dict(initial_accumulator_value=0.5, eps=1e-3)]])
+def test_relevant_one_is_adagrad(path, dtype, hp):
+    """SPEC.md §2: relevant=1.0 (T = n) is torch.optim.Adagrad step for step."""
+    kw = dict(lr=0.3, initial_accumulator_value=hp.get("initial_accumulator_value", 0.01), eps=hp.get("eps", 1e-10),
+              weight_decay=hp.get("weight_decay", 0.0), lr_decay=hp.get("lr_decay", 0.0), maximize=hp.get("maximize", False))
+    ref, _ = _run(lambda p: torch.optim.Adagrad(p, foreach=False, **kw), dtype)
+    out, _ = _run(lambda p: PrunAdag(p, relevant=1.0, **kw, **_path_kwargs(path)), dtype)
+    tol = dict(atol=0, rtol=0) if path == "single" else _tol(dtype)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def _groups_with_bias(ps):
+    return [dict(params=ps[:4]), dict(params=ps[4:], prune=False)]
+
+
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "single"])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, "relevant_only"])
+@pytest.mark.parametrize("scope, dtype", [("global", torch.float32), ("global", torch.float64),
+                                          ("group", torch.float64), ("tensor", torch.float32)])
+def test_paths_match_single_tensor(path, version, scope, dtype):
+    hp = dict(lr=0.5, relevant=0.15, version=version, scope=scope, weight_decay=0.01, lr_decay=0.05,
+              initial_accumulator_value=0.01, eps=1e-10)
+    ref, ro = _run(lambda p: PrunAdag(p, foreach=False, **hp), dtype, groups=_groups_with_bias)
+    out, oo = _run(lambda p: PrunAdag(p, **hp, **_path_kwargs(path)), dtype, groups=_groups_with_bias)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, **_tol(dtype))
+    for p_ref, p_out in zip(ref, out):
+        for key in ("sum", "decrease_sum", "step"):
+            torch.testing.assert_close(oo.state[p_out][key], ro.state[p_ref][key], **_tol(dtype))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_maximize_and_int_relevant(path):
+    hp = dict(lr=1.0, relevant=40, version=3, maximize=True, eps=0.0)
+    ref, _ = _run(lambda p: PrunAdag(p, foreach=False, **hp), torch.float64)
+    out, _ = _run(lambda p: PrunAdag(p, **hp, **_path_kwargs(path)), torch.float64)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_reference_semantics():
+    """Algorithm 2.1 invariants: relevant elements take the Adagrad step; D ∩ M
+    elements shrink by at most a_i without changing sign; other D elements stay."""
+    torch.manual_seed(0)
+    n, T = 200, 20
+    x = torch.randn(n, dtype=torch.float64)
+    g = torch.randn(n, dtype=torch.float64)
+    so = torch.full_like(x, 0.01)
+    sd = torch.full_like(x, 0.01)
+    x0, so0, sd0 = x.clone(), so.clone(), sd.clone()
+    hp = TensorHyper(lr=1.0, k=3.0, eps=0.0)
+    prunadag_step_reference([x], [g], [so], [sd], [hp], T, 3)
+    tau = g.abs().topk(T).values[-1]
+    rel = g.abs() >= tau
+    adagrad = x0 - g / (so0 + g * g).sqrt()
+    torch.testing.assert_close(x[rel], adagrad[rel], atol=1e-14, rtol=1e-14)
+    opt = so != so0
+    assert torch.equal(opt, sd == sd0)  # each element updates exactly one accumulator
+    dec = ~opt
+    m = (~rel) & (x0 * g > 0)
+    r = (g[rel].pow(2).sum().sqrt() / x0[m].pow(2).sum().sqrt()).item()
+    a = x0.abs() / (hp.k + 1) * r
+    assert torch.all(x[dec & m].abs() <= x0[dec & m].abs())
+    assert torch.all((x0[dec & m] - x[dec & m]).abs() <= a[dec & m] + 1e-15)
+    assert torch.all(torch.sign(x[dec & m]) * torch.sign(x0[dec & m]) >= 0)
+    assert torch.equal(x[dec & ~m], x0[dec & ~m])
+    # acceptable elements (version 3): a <= |s| <= |x|, and they moved towards 0
+    acc = opt & ~rel
+    s = (x - x0)[acc]
+    assert torch.all(s.abs() <= x0[acc].abs() + 1e-15) and torch.all(s.abs() >= a[acc] - 1e-15)
+    assert acc.any() and (dec & m).any()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_state_dict_round_trip(path):
+    dtype = torch.float32
+    hp = dict(lr=0.5, relevant=0.2, version=1, **_path_kwargs(path))
+    ps, opt = _run(lambda p: PrunAdag(p, **hp), dtype, steps=3)
+    ps2 = [p.detach().clone().requires_grad_() for p in ps]
+    opt2 = PrunAdag(ps2, **hp)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for it in range(3, 6):
+        _set_grads(ps, it, dtype)
+        _set_grads(ps2, it, dtype)
+        opt.step()
+        opt2.step()
+    for a, b in zip(ps, ps2):
+        assert torch.equal(a, b)
+    sd = opt.state_dict()
+    assert set(sd["state"][0]) == {"step", "sum", "decrease_sum"}
+    assert torch.is_tensor(sd["state"][0]["step"]) and sd["state"][0]["step"].item() == 6
+
+
+def test_setstate_fills_new_keys():
+    ps = _params(torch.float32)
+    opt = PrunAdag(ps)
+    state = opt.__getstate__()
+    for g in state["param_groups"]:
+        for key in ("version", "scope", "prune", "relevant"):
+            g.pop(key)
+    opt2 = PrunAdag(_params(torch.float32))
+    opt2.__setstate__(state)
+    assert opt2.param_groups[0]["version"] == 3 and opt2.param_groups[0]["scope"] == "global"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_lr_scheduler(path):
+    dtype = torch.float64
+    ps = _params(dtype)
+    opt = PrunAdag(ps, lr=1.0, relevant=0.2, **_path_kwargs(path))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ps2 = _params(dtype)
+    opt2 = PrunAdag(ps2, lr=1.0, relevant=0.2, foreach=False)
+    for it in range(5):
+        _set_grads(ps, it, dtype)
+        _set_grads(ps2, it, dtype)
+        opt.step()
+        sched.step()
+        opt2.step()
+        opt2.param_groups[0]["lr"] = 1.0 * 0.5 ** ((it + 1) // 2)
+    assert opt.param_groups[0]["lr"] == 0.25
+    for a, b in zip(ps, ps2):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_functional_matches_class():
+    dtype = torch.float64
+    ps, _ = _run(lambda p: PrunAdag(p, lr=0.5, relevant=0.1, version=4, foreach=False), dtype)
+    ps2 = _params(dtype)
+    so = [torch.full_like(p, 0.01) for p in ps2]
+    sd = [torch.full_like(p, 0.01) for p in ps2]
+    steps = [torch.tensor(0.0) for _ in ps2]
+    for it in range(6):
+        _set_grads(ps2, it, dtype)
+        with torch.no_grad():
+            prunadag([p for p in ps2], [p.grad for p in ps2], so, sd, steps, lr=0.5, relevant=0.1, version=4)
+    for a, b in zip(ps, ps2):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert steps[0].item() == 6
+
+
+def test_fallback_without_extension(monkeypatch):
+    """Without the extension the default path is foreach and results agree."""
+    pa_mod = sys.modules["prunopt.optim.prunadag"]
+    monkeypatch.setattr(pa_mod, "extension_available", lambda: False)
+    assert pa_mod._choose_impl([torch.zeros(3)], None, None) == "foreach"
+    with pytest.raises(ValueError, match="fused"):
+        PrunAdag(_params(torch.float32), fused=True)
+    out, _ = _run(lambda p: PrunAdag(p, relevant=0.2), torch.float64)
+    ref, _ = _run(lambda p: PrunAdag(p, relevant=0.2, foreach=False), torch.float64)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p != "fused" else p
+                                  for p in PATHS if p != "foreach"])  # foreach: same Python ops, 40 s to compile
+def test_compiled_step(path):
+    dtype = torch.float32
+    ps, opt = _params(dtype), None
+    ps2 = _params(dtype)
+    opt = PrunAdag(ps, lr=0.3, relevant=0.2, lr_decay=0.1, **_path_kwargs(path))
+    opt2 = PrunAdag(ps2, lr=0.3, relevant=0.2, lr_decay=0.1, **_path_kwargs(path))
+
+    @torch.compile(backend="inductor")
+    def compiled_step():
+        opt.step()
+
+    for it in range(3):
+        _set_grads(ps, it, dtype)
+        _set_grads(ps2, it, dtype)
+        compiled_step()
+        opt2.step()
+    for a, b in zip(ps, ps2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(relevant=0.0), "relevant"),
+        (dict(relevant=-0.5), "relevant"),
+        (dict(relevant=1.5), "relevant"),
+        (dict(relevant=0), "relevant"),
+        (dict(relevant=10**9), "relevant"),
+        (dict(version=5), "version"),
+        (dict(version="v3"), "version"),
+        (dict(scope="layer"), "scope"),
+        (dict(lr=-1.0), "lr"),
+        (dict(eps=-1e-8), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(lr_decay=-0.1), "lr_decay"),
+        (dict(initial_accumulator_value=-1.0), "initial_accumulator_value"),
+        (dict(foreach=True, fused=True), "fused"),
+    ],
+)
+def test_invalid_hyper_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrunAdag(_params(torch.float32), **kwargs)
+
+
+def test_invalid_param_groups():
+    ps = _params(torch.float32)
+    with pytest.raises(ValueError, match="scope"):
+        PrunAdag([dict(params=ps[:2], scope="tensor"), dict(params=ps[2:])])
+    with pytest.raises(ValueError, match="relevant"):
+        PrunAdag([dict(params=ps[:2], relevant=0.5), dict(params=ps[2:])])
+    with pytest.raises(TypeError, match="relevant"):
+        PrunAdag(ps, relevant="many")
+    opt = PrunAdag(ps[:2])
+    with pytest.raises(ValueError, match="version"):
+        opt.add_param_group(dict(params=ps[2:], version=7))
+    assert len(opt.param_groups) == 1
+
+
+def test_int_relevant_larger_than_scope_raises_before_update():
+    ps = _params(torch.float32, sizes=[(3,), (50,)])
+    opt = PrunAdag(ps, relevant=10, scope="tensor")
+    _set_grads(ps, 0, torch.float32)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match="relevant"):
+        opt.step()
+    for p, b in zip(ps, before):
+        assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sparse_and_complex_grads(path):
+    p = torch.randn(5, requires_grad=True)
+    opt = PrunAdag([p], **_path_kwargs(path))
+    p.grad = torch.randn(5).to_sparse()
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+    c = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+    opt = PrunAdag([c], foreach=False)
+    c.grad = torch.randn(5, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="complex"):
+        opt.step()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad, scope", [(math.nan, "global"), (-math.inf, "global"), (math.inf, "tensor")])
+def test_non_finite_grad_skips_step_and_raises(path, bad, scope):
+    """Documented: a non-finite gradient rejects the whole step (ValueError) and
+    leaves every parameter, accumulator and step counter unchanged."""
+    dtype = torch.float32
+    ps = _params(dtype)
+    opt = PrunAdag([dict(params=ps[:5]), dict(params=ps[5:], prune=False)], relevant=0.3, scope=scope,
+                   **_path_kwargs(path))
+    _set_grads(ps, 0, dtype)
+    opt.step()
+    _set_grads(ps, 1, dtype)
+    ps[-1].grad.view(-1)[3] = bad
+    before = [p.detach().clone() for p in ps]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step()
+    for p, b in zip(ps, before):
+        assert torch.equal(p, b)
+    after = opt.state_dict()
+    for k, s in state["state"].items():
+        for key in s:
+            assert torch.equal(after["state"][k][key], s[key])
