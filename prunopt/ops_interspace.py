@@ -231,17 +231,27 @@ def fb_conv_out_shape(input: Tensor, c_out, basis: Tensor, stride, padding, dila
 # -- autograd (eq. 7, A.12-A.14) ---------------------------------------------------------------
 
 def _reconstruct_grads(grad_h: Tensor, lam_mu: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool, need_basis: bool):
-    """``dL/dlam = <g^(n), dL/dh> * mu`` (eq. 7, A.13) and ``dL/dg^(n) = sum lam mu dL/dh`` (A.14),
-    as two matrix products over the flattened filters."""
+    """``dL/dlam = <g^(n), dL/dh> * mu`` (eq. 7, A.13) and ``dL/dg^(n) = sum lam mu dL/dh`` (A.14).
+
+    The first is the reconstruction kernel applied to ``dL/dh`` with the
+    transposed basis (``(M, K) @ (K, N)``); the second a batched product over
+    output channels, ``sum_o lam_mu[o]^T @ dL/dh[o]``.
+    """
     n = basis.shape[0]
-    gh = grad_h.reshape(-1, grad_h.shape[2] * grad_h.shape[3])  # (C_out*C_in/g, kh*kw)
+    c_out, c_in_g = lam_mu.shape[:2]
+    k = grad_h.shape[2] * grad_h.shape[3]
+    gh = grad_h.reshape(c_out, c_in_g, k)
     g_lam = g_basis = None
     if need_lam:
-        g_lam = (gh @ basis.reshape(n, -1).T).reshape(lam_mu.shape)
+        basis_t = basis.reshape(n, k).T.reshape(k, 1, n).contiguous()
+        if grad_h.device.type in _RECON_DEVICES:
+            g_lam = torch.ops.prunopt.fb_reconstruct(gh.contiguous(), basis_t, None).reshape(lam_mu.shape)
+        else:
+            g_lam = (gh.reshape(-1, k) @ basis.reshape(n, k).T).reshape(lam_mu.shape)
         if mask is not None:
             g_lam = g_lam * mask
     if need_basis:
-        g_basis = (lam_mu.reshape(-1, n).T @ gh).reshape(basis.shape)
+        g_basis = torch.bmm(lam_mu.transpose(1, 2), gh).sum(0).reshape(basis.shape)
     return g_lam, g_basis
 
 

@@ -19,38 +19,67 @@ namespace prunopt {
 namespace cpu {
 namespace {
 
-constexpr int64_t kRows = 16;
+constexpr int64_t kRows = 32;
+
+// Rows [b0, b1) of blocks: always inlined into a baseline and an AVX2+FMA
+// clone (the extension is built for generic x86-64), picked at run time.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void reconstruct_blocks(const scalar_t* lam, const scalar_t* mu,
+    const double* g, int64_t rows, int64_t n, int64_t k, scalar_t* h, int64_t b0, int64_t b1) {
+  std::vector<double> c(n * kRows);
+  double acc[kRows];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t r0 = blk * kRows;
+    const int64_t nr = std::min(kRows, rows - r0);
+    // c[j, r] = lam[r0 + r, j] * mu[r0 + r, j]  (transposed: rows innermost)
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t j = 0; j < n; ++j) {
+        double v = 0.0;
+        if (r < nr) {
+          const int64_t idx = (r0 + r) * n + j;
+          v = static_cast<double>(lam[idx]) * (mu ? static_cast<double>(mu[idx]) : 1.0);
+        }
+        c[j * kRows + r] = v;
+      }
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      for (int64_t r = 0; r < kRows; ++r) acc[r] = 0.0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double gj = g[j * k + kk];
+        const double* cj = c.data() + j * kRows;
+        for (int64_t r = 0; r < kRows; ++r) acc[r] += cj[r] * gj;
+      }
+      for (int64_t r = 0; r < nr; ++r) h[(r0 + r) * k + kk] = static_cast<scalar_t>(acc[r]);
+    }
+  }
+}
+
+template <typename scalar_t>
+void blocks_default(const scalar_t* lam, const scalar_t* mu, const double* g, int64_t rows, int64_t n, int64_t k,
+                    scalar_t* h, int64_t b0, int64_t b1) {
+  reconstruct_blocks(lam, mu, g, rows, n, k, h, b0, b1);
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define PRUNOPT_X86_DISPATCH 1
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) void blocks_avx2(const scalar_t* lam, const scalar_t* mu, const double* g,
+    int64_t rows, int64_t n, int64_t k, scalar_t* h, int64_t b0, int64_t b1) {
+  reconstruct_blocks(lam, mu, g, rows, n, k, h, b0, b1);
+}
+#endif
 
 template <typename scalar_t>
 void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g /*N x K*/, int64_t rows,
                       int64_t n, int64_t k, scalar_t* h) {
+#ifdef PRUNOPT_X86_DISPATCH
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
   at::parallel_for(0, (rows + kRows - 1) / kRows, std::max<int64_t>(1, 2048 / (n * k + 1)), [&](int64_t b0, int64_t b1) {
-    std::vector<double> c(n * kRows), acc(kRows);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t r0 = blk * kRows;
-      const int64_t nr = std::min(kRows, rows - r0);
-      // c[j, r] = lam[r0 + r, j] * mu[r0 + r, j]  (transposed: rows innermost)
-      for (int64_t r = 0; r < kRows; ++r) {
-        for (int64_t j = 0; j < n; ++j) {
-          double v = 0.0;
-          if (r < nr) {
-            const int64_t idx = (r0 + r) * n + j;
-            v = static_cast<double>(lam[idx]) * (mu ? static_cast<double>(mu[idx]) : 1.0);
-          }
-          c[j * kRows + r] = v;
-        }
-      }
-      for (int64_t kk = 0; kk < k; ++kk) {
-        for (int64_t r = 0; r < kRows; ++r) acc[r] = 0.0;
-        for (int64_t j = 0; j < n; ++j) {
-          const double gj = g[j * k + kk];
-          const double* cj = c.data() + j * kRows;
-#pragma omp simd
-          for (int64_t r = 0; r < kRows; ++r) acc[r] += cj[r] * gj;
-        }
-        for (int64_t r = 0; r < nr; ++r) h[(r0 + r) * k + kk] = static_cast<scalar_t>(acc[r]);
-      }
-    }
+#ifdef PRUNOPT_X86_DISPATCH
+    if (avx2) return blocks_avx2(lam, mu, g, rows, n, k, h, b0, b1);
+#endif
+    blocks_default(lam, mu, g, rows, n, k, h, b0, b1);
   });
 }
 
