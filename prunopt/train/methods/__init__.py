@@ -31,3 +31,5 @@ def register_method(name: str, run: Callable, help: str, add_arguments: Optional
 
 # Method modules register themselves on import.
 from prunopt.train.methods import probmask  # noqa: E402,F401
+# issue 6: differentiable sparsification and two-temperature architecture pruning
+from prunopt.train.methods import ap, ds  # noqa: E402,F401
