@@ -369,6 +369,8 @@ def remove_channels(model: nn.Module, example_input: Optional[Tensor] = None, at
         removable = ok and isinstance(producer, nn.Conv2d) and producer.groups == 1 and keep.numel() < a.numel()
         if not removable:
             keep = torch.arange(a.numel(), device=a.device)
+        elif keep.numel() == 0:
+            keep = torch.zeros(1, dtype=torch.long, device=a.device)  # torch has no 0-channel conv; its output is 0
         bn = nn.BatchNorm2d(keep.numel(), eps=m.eps, momentum=m.momentum, affine=True,
                             track_running_stats=m.track_running_stats, device=a.device, dtype=a.dtype)
         if m.running_mean is not None:

@@ -28,3 +28,5 @@ def register_repro(name: str, run: Callable, help: str, add_arguments: Optional[
 
 
 # Reproduction modules register themselves on import (none yet).
+# issue 6: differentiable sparsification / architecture pruning reproductions
+from prunopt.repro import ap, ds  # noqa: E402,F401

@@ -206,6 +206,16 @@ def test_gate_regularisers_under_torch_compile():
         torch.testing.assert_close(u, v)
 
 
+def test_channel_removal_of_a_fully_zero_layer():
+    model = _sparse_cnn(0.0).eval()
+    with torch.no_grad():
+        model.features[1].gate.alpha.zero_()  # every gate of the first layer is 0
+    x = torch.rand(3, 1, 8, 8)
+    small = remove_channels(model, example_input=x)
+    assert small.features[0].out_channels == 1
+    torch.testing.assert_close(small(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_channel_removal_float64_and_gate_density():
     model = _sparse_cnn(0.25).double().eval()
     x = torch.rand(2, 1, 8, 8, dtype=torch.float64)
