@@ -329,3 +329,26 @@ def test_ops_under_torch_compile():
     torch.testing.assert_close(compiled, eager)
     for u, v in zip(gc, ge):
         torch.testing.assert_close(u, v)
+
+
+def test_import_and_ops_without_extension():
+    # importing never fails without prunopt._C; the ops fall back to the composed reference
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['prunopt._C'] = None\n"
+        "import torch, prunopt\n"
+        "assert not prunopt.extension_available()\n"
+        "from prunopt.ops import rgf_relu, sparse_gate, two_temperature_sigmoid\n"
+        "from prunopt.nn import SparseGate\n"
+        "assert bool((SparseGate(9)() == 0.5).all())\n"
+        "x = torch.tensor([-1.0, 2.0], requires_grad=True); rgf_relu(x, 0.1).sum().backward()\n"
+        "assert abs(x.grad[0].item() - 0.1 * 2.718281828 ** -1) < 1e-6 and x.grad[1].item() == 1.0\n"
+        "w = torch.zeros(1, requires_grad=True); two_temperature_sigmoid(w, 1000.0, 10.0).sum().backward()\n"
+        "assert abs(w.grad.item() - 2.5) < 1e-6\n"
+    )
+    env = dict(os.environ, PRUNOPT_REQUIRE_EXTENSION="0")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
