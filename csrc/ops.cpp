@@ -55,3 +55,19 @@ TORCH_LIBRARY_FRAGMENT(prunopt, m) {
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
       "Tensor hyper, int relevant, int version) -> ()");
 }
+
+// Differentiable sparsification (SPEC.md section 4) and two-temperature
+// architecture pruning (SPEC.md section 5). Kernels: csrc/cpu/{rgf_relu,
+// sparse_gate,two_temperature_sigmoid}.cpp and csrc/cuda/*.cu of the same names.
+TORCH_LIBRARY_FRAGMENT(prunopt, m) {
+  // relu forward, elu(alpha) derivative backward (DS eq. 15).
+  m.def("rgf_relu(Tensor x, float alpha) -> Tensor");
+  m.def("rgf_relu_backward(Tensor grad, Tensor x, float alpha) -> Tensor");
+  // Gates over the last dim of alpha (groups, n), one threshold beta per group:
+  // signed (DS eq. 12) or non-negative (eq. 9-11); rgf_alpha = 0 is plain relu.
+  m.def("sparse_gate(Tensor alpha, Tensor beta, bool signed, float rgf_alpha) -> Tensor");
+  m.def("sparse_gate_backward(Tensor grad, Tensor alpha, Tensor beta, bool signed, float rgf_alpha) -> (Tensor, Tensor)");
+  // sigmoid(t_l w) forward, t_s sigmoid'(t_s w) backward (AP eq. 6-7).
+  m.def("two_temperature_sigmoid(Tensor w, float t_l, float t_s) -> Tensor");
+  m.def("two_temperature_sigmoid_backward(Tensor grad, Tensor w, float t_s) -> Tensor");
+}

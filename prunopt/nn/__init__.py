@@ -48,3 +48,11 @@ __all__ += [
     "sparse_storage",
     "interspace_report",
 ]
+
+# --- differentiable sparsification / two-temperature masks (issue 6) --------
+from prunopt.nn.architecture import *  # noqa: E402,F401,F403
+from prunopt.nn.architecture import __all__ as _architecture_all  # noqa: E402
+from prunopt.nn.sparsification import *  # noqa: E402,F401,F403
+from prunopt.nn.sparsification import __all__ as _sparsification_all  # noqa: E402
+
+__all__ += list(_sparsification_all) + list(_architecture_all)

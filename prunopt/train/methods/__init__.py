@@ -36,3 +36,6 @@ from prunopt.train.methods import probmask  # noqa: E402,F401
 from prunopt.train.methods import toolkit  # noqa: E402,F401
 
 from prunopt.train.methods import prunadag  # noqa: E402,F401  (prunAdag)
+
+# issue 6: differentiable sparsification and two-temperature architecture pruning
+from prunopt.train.methods import ap, ds  # noqa: E402,F401

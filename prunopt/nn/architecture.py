@@ -1,0 +1,199 @@
+"""Differentiable architecture pruning with two-temperature masks (Colombo & Gao,
+SPEC.md §5).
+
+:class:`TwoTemperatureMask` wraps an ``nn.Linear`` or ``nn.Conv2d`` and multiplies
+its weight by the relaxed mask ``v = sigmoid(t_l w)`` whose backward pass uses the
+softer temperature ``t_s`` (eq. 6-7). Helpers: the regulariser
+:func:`mask_regularizer` (``gamma ||v||^2``), the target-sparsity stop
+:func:`stop_at_sparsity`, layerwise densities and the random re-draw
+(:func:`layer_densities`, :func:`reshuffle_masks`), and transfer of a selected
+architecture to a fresh model (:func:`extract_architecture`, :func:`apply_architecture`).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from prunopt.ops import two_temperature_sigmoid
+
+__all__ = [
+    "TwoTemperatureMask",
+    "wrap_two_temperature_masks",
+    "two_temperature_masks",
+    "mask_regularizer",
+    "mask_density",
+    "stop_at_sparsity",
+    "layer_densities",
+    "reshuffle_masks",
+    "extract_architecture",
+    "apply_architecture",
+]
+
+
+class TwoTemperatureMask(nn.Module):
+    r"""A weight mask learnt with two temperatures (AP eq. 6-7).
+
+    The wrapped layer computes with :math:`\tilde\theta = v \odot \theta`,
+    :math:`v = \sigma(t_l w)` forward and
+    :math:`\partial v/\partial w := t_s\sigma(t_s w)(1-\sigma(t_s w))` backward
+    (``t_l = 1000``, ``t_s = t_l/100`` by default, the paper's best). The mask
+    logits start small and positive, :math:`w_0 \sim |N(0, \epsilon_w)|`
+    (``init_scale`` = :math:`\epsilon_w`), i.e. every weight on.
+
+    Once :attr:`frozen` (target sparsity reached, or :meth:`finalize`) the layer
+    uses the final binary mask :math:`\mathbf 1[w > 0]` and ``w`` gets no
+    gradient.
+    """
+
+    def __init__(self, layer: nn.Module, t_l: float = 1000.0, t_s: Optional[float] = None, init_scale: float = 1e-2,
+                 generator: Optional[torch.Generator] = None):
+        super().__init__()
+        if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+            raise TypeError(f"TwoTemperatureMask wraps nn.Linear or nn.Conv2d, got {type(layer).__name__}")
+        for name, v in (("t_l", t_l), ("t_s", t_l / 100.0 if t_s is None else t_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite temperature > 0, got {v}")
+        if not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale}")
+        self.layer = layer
+        self.t_l = float(t_l)
+        self.t_s = float(t_l / 100.0 if t_s is None else t_s)
+        w = layer.weight
+        self.w = nn.Parameter((torch.randn(w.shape, generator=generator, dtype=torch.float64) * init_scale).abs()
+                              .to(dtype=w.dtype, device=w.device))
+        self.register_buffer("frozen", torch.zeros((), dtype=torch.bool, device=w.device))
+
+    def relaxed_mask(self) -> Tensor:
+        """v = sigmoid(t_l w) with the t_s backward (eq. 6-7)."""
+        return two_temperature_sigmoid(self.w, self.t_l, self.t_s)
+
+    def binary_mask(self) -> Tensor:
+        """The final mask 1[w > 0] (in the weight's dtype)."""
+        return (self.w.detach() > 0).to(self.w.dtype)
+
+    def mask(self) -> Tensor:
+        if bool(self.frozen):
+            return self.binary_mask()
+        return self.relaxed_mask()
+
+    def freeze(self) -> None:
+        """Stop updating w: from now on the binary mask is used."""
+        self.frozen.fill_(True)
+        self.w.requires_grad_(False)
+
+    finalize = freeze
+
+    def masked_weight(self) -> Tensor:
+        return self.layer.weight * self.mask()
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.masked_weight()
+        if isinstance(self.layer, nn.Linear):
+            return F.linear(x, weight, self.layer.bias)
+        return self.layer._conv_forward(x, weight, self.layer.bias)
+
+    def extra_repr(self) -> str:
+        return f"t_l={self.t_l}, t_s={self.t_s}"
+
+
+def wrap_two_temperature_masks(model: nn.Module, t_l: float = 1000.0, t_s: Optional[float] = None,
+                               init_scale: float = 1e-2, generator: Optional[torch.Generator] = None) -> nn.Module:
+    """Wraps every ``nn.Linear`` / ``nn.Conv2d`` of ``model`` (in place) in a
+    :class:`TwoTemperatureMask`; returns ``model``."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, (nn.Linear, nn.Conv2d)):
+            setattr(model, name, TwoTemperatureMask(child, t_l, t_s, init_scale, generator))
+        elif not isinstance(child, TwoTemperatureMask):
+            wrap_two_temperature_masks(child, t_l, t_s, init_scale, generator)
+    return model
+
+
+def two_temperature_masks(model: nn.Module) -> List[TwoTemperatureMask]:
+    return [m for m in model.modules() if isinstance(m, TwoTemperatureMask)]
+
+
+def mask_regularizer(masks: Sequence[TwoTemperatureMask], gamma: float) -> Tensor:
+    r""":math:`\gamma \sum_l \|v_l\|_2^2` over the relaxed masks (AP eq. 13's penalty),
+    through the two-temperature backward. Frozen masks contribute nothing."""
+    if not math.isfinite(gamma) or gamma < 0:
+        raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
+    live = [m for m in masks if not bool(m.frozen)]
+    if not live:
+        return torch.zeros(())
+    return gamma * sum((m.relaxed_mask() ** 2).sum() for m in live)
+
+
+@torch.no_grad()
+def mask_density(masks: Sequence[TwoTemperatureMask]) -> float:
+    """Fraction of ones in the final masks 1[w > 0] over all layers."""
+    total = sum(m.w.numel() for m in masks)
+    return sum(int((m.w > 0).sum()) for m in masks) / max(total, 1)
+
+
+def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float) -> bool:
+    """Freezes every mask once the global sparsity of 1[w > 0] reaches
+    ``target_sparsity`` (AP footnote 10); returns True when frozen."""
+    if not 0.0 <= target_sparsity <= 1.0:
+        raise ValueError(f"target_sparsity must be in [0, 1], got {target_sparsity}")
+    if 1.0 - mask_density(masks) >= target_sparsity:
+        for m in masks:
+            m.freeze()
+        return True
+    return False
+
+
+@torch.no_grad()
+def layer_densities(masks: Sequence[TwoTemperatureMask]) -> List[float]:
+    """Density of 1[w > 0] per layer (the paper's Table 1 layerwise profile)."""
+    return [float((m.w > 0).double().mean()) for m in masks]
+
+
+@torch.no_grad()
+def _set_from_mask(m: TwoTemperatureMask, keep: Tensor) -> None:
+    # w = +1 where kept, -1 elsewhere: sigmoid(t_l w) is then binary as well
+    m.w.copy_(torch.where(keep, torch.ones_like(m.w), -torch.ones_like(m.w)))
+    m.freeze()
+
+
+@torch.no_grad()
+def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Sequence[float]] = None,
+                    generator: Optional[torch.Generator] = None) -> None:
+    """Random re-draw with the same layerwise densities (the reshuffle
+    experiment): each layer keeps round(d * size) weights chosen uniformly at
+    random; the masks are frozen."""
+    densities = layer_densities(masks) if densities is None else list(densities)
+    if len(densities) != len(masks):
+        raise ValueError(f"densities has {len(densities)} entries for {len(masks)} masks")
+    for m, d in zip(masks, densities):
+        if not 0.0 <= d <= 1.0:
+            raise ValueError(f"densities must be in [0, 1], got {d}")
+        n = m.w.numel()
+        k = int(round(d * n))
+        perm = torch.randperm(n, generator=generator)[:k].to(m.w.device)
+        keep = torch.zeros(n, dtype=torch.bool, device=m.w.device)
+        keep[perm] = True
+        _set_from_mask(m, keep.view_as(m.w))
+
+
+@torch.no_grad()
+def extract_architecture(masks: Sequence[TwoTemperatureMask]) -> List[Tensor]:
+    """The selected sub-architecture: the boolean masks 1[w > 0] per layer."""
+    return [(m.w > 0).clone() for m in masks]
+
+
+@torch.no_grad()
+def apply_architecture(masks: Sequence[TwoTemperatureMask], architecture: Sequence[Tensor]) -> None:
+    """Transfer: fixes the masks of (another) model to a selected architecture
+    (e.g. selected on one task, retrained on another); the masks are frozen."""
+    if len(architecture) != len(masks):
+        raise ValueError(f"architecture has {len(architecture)} masks for {len(masks)} layers")
+    for m, a in zip(masks, architecture):
+        if a.shape != m.w.shape:
+            raise ValueError(f"architecture mask of shape {tuple(a.shape)} does not fit a weight of shape {tuple(m.w.shape)}")
+        _set_from_mask(m, a.to(device=m.w.device, dtype=torch.bool))

@@ -1,0 +1,245 @@
+"""SparseGate, SparseBatchNorm2d, regularisers, schedule and channel removal (SPEC.md §4)."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from prunopt.nn import (
+    SparseBatchNorm2d,
+    SparseGate,
+    convert_to_sparse_batchnorm,
+    cubic_strength,
+    gate_density,
+    group_l21_regularizer,
+    l1_regularizer,
+    lp_regularizer,
+    remove_channels,
+    sparse_gates,
+)
+from prunopt.train.models import SmallCNN
+
+
+@pytest.mark.parametrize("n", [1, 2, 6, 9, 14, 64, 255, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gates_start_at_exactly_half(n, dtype):
+    g = SparseGate(n, dtype=dtype)
+    a = g()
+    assert a.dtype == dtype and torch.equal(a, torch.full((n,), 0.5, dtype=dtype))
+    # the paper's values (up to a few ulps in float32)
+    assert abs(g.alpha[0].item() - 0.5 * (n + 1) / n) < 1e-6
+    assert abs(g.beta.item() + (math.log(n * n + n - 1) if n > 1 else 0.0)) < 1e-5
+
+
+def test_nonnegative_gates_start_uniform():
+    a = SparseGate(8, signed=False)()
+    torch.testing.assert_close(a, torch.full((8,), 1 / 8))
+
+
+@pytest.mark.parametrize("rgf", [True, False])
+def test_strong_regulariser_gives_exact_zeros(rgf):
+    torch.manual_seed(0)
+    g = SparseGate(16, rgf=rgf)
+    target = torch.randn(16)
+    opt = torch.optim.Adam(g.parameters(), lr=0.05)
+    for _ in range(200):
+        opt.zero_grad()
+        a = g()
+        loss = ((a - target) ** 2).mean() * 0.01 + 1.0 * l1_regularizer(a)
+        loss.backward()
+        opt.step()
+    a = g().detach()
+    assert (a == 0).sum() >= 8  # exact zeros, not small numbers
+    assert torch.isfinite(g.alpha).all() and torch.isfinite(g.beta)
+
+
+def test_rgf_keeps_gradient_for_dropped_gates():
+    g = SparseGate(4, rgf=True)
+    with torch.no_grad():
+        g.alpha.copy_(torch.tensor([2.0, 0.01, 1.0, 0.02]))
+    a = g()
+    assert a[1] == 0 and a[3] == 0
+    a.sum().backward()
+    assert g.alpha.grad[1] != 0  # elu surrogate: still a learning signal
+    g2 = SparseGate(4, rgf=False)
+    with torch.no_grad():
+        g2.alpha.copy_(torch.tensor([2.0, 0.01, 1.0, 0.02]))
+    (g2() * torch.tensor([1.0, 5.0, 1.0, 5.0])).sum().backward()
+    # without rgf only the shared threshold term reaches dropped gates: equal for both
+    assert g2.alpha.grad[1] == g2.alpha.grad[3]
+
+
+def test_sparse_batchnorm_equals_batchnorm_when_a_is_one():
+    torch.manual_seed(1)
+    sbn, bn = SparseBatchNorm2d(5), nn.BatchNorm2d(5)
+    with torch.no_grad():
+        sbn.gate.alpha.fill_(1.0)
+        sbn.gate.beta.fill_(-1e4)  # sigmoid(beta) == 0: a == 1 exactly
+        b = torch.randn(5)
+        sbn.shift.copy_(b)
+        bn.bias.copy_(b)
+    assert torch.equal(sbn.gates(), torch.ones(5))
+    x = torch.randn(4, 5, 3, 3)
+    for mode in ("train", "eval"):
+        getattr(sbn, mode)(), getattr(bn, mode)()
+        torch.testing.assert_close(sbn(x), bn(x), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sbn.running_mean, bn.running_mean)
+    torch.testing.assert_close(sbn.running_var, bn.running_var)
+
+
+def test_convert_preserves_function_and_is_drop_in():
+    torch.manual_seed(2)
+    model = SmallCNN(width=4)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(-1.5, 1.5)
+                m.bias.normal_()
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2)
+    model.eval()
+    x = torch.rand(3, 1, 8, 8)
+    ref = model(x)
+    convert_to_sparse_batchnorm(model)
+    assert sum(isinstance(m, SparseBatchNorm2d) for m in model.modules()) == 3
+    torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)
+    fresh = convert_to_sparse_batchnorm(SmallCNN(width=4), preserve=False)
+    assert all(torch.equal(a, torch.full_like(a, 0.5)) for a in sparse_gates(fresh))
+
+
+def test_regularisers_values_and_safe_gradients():
+    a = torch.tensor([0.0, 0.0, 3.0, -4.0, 0.0, 0.0], requires_grad=True)
+    assert l1_regularizer(a).item() == 7.0
+    r = group_l21_regularizer(a, group_size=2)  # groups (0,0), (3,-4), (0,0)
+    assert r.item() == 5.0
+    (g,) = torch.autograd.grad(r, a)
+    assert torch.isfinite(g).all() and g[0] == 0 and g[4] == 0
+    lp = lp_regularizer(a, p=0.5)
+    torch.testing.assert_close(lp, torch.tensor((math.sqrt(3) + 2) ** 2))
+    (g,) = torch.autograd.grad(lp, a)
+    assert torch.isfinite(g).all() and g[0] == 0
+    z = torch.zeros(4, requires_grad=True)
+    (g,) = torch.autograd.grad(lp_regularizer(z, 0.5) + group_l21_regularizer(z), z)
+    assert torch.equal(g, torch.zeros(4))
+    # list input: one group per tensor
+    assert l1_regularizer([a, a]).item() == 14.0
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, 0.0, -0.5, float("nan")])
+def test_lp_rejects_p_outside_open_unit_interval(p):
+    with pytest.raises(ValueError, match="p"):
+        lp_regularizer(torch.ones(3), p)
+
+
+def test_regulariser_errors():
+    with pytest.raises(ValueError, match="empty group"):
+        lp_regularizer(torch.ones(0), 0.5)
+    with pytest.raises(ValueError, match="empty group"):
+        group_l21_regularizer(torch.ones(0))
+    with pytest.raises(ValueError, match="group_size"):
+        group_l21_regularizer(torch.ones(6), group_size=4)
+    with pytest.raises(ValueError, match="group_size"):
+        group_l21_regularizer(torch.ones(6), group_size=0)
+    with pytest.raises(ValueError, match="num_gates"):
+        SparseGate(0)
+    with pytest.raises(TypeError, match="gates"):
+        l1_regularizer("a")
+
+
+def test_cubic_strength_schedule():
+    assert cubic_strength(0, 0.0, 1.0, 5, 10) == 0.0
+    assert cubic_strength(5, 0.0, 1.0, 5, 10) == 0.0
+    assert cubic_strength(15, 0.0, 1.0, 5, 10) == 1.0
+    assert cubic_strength(100, 0.0, 1.0, 5, 10) == 1.0
+    assert cubic_strength(10, 0.0, 1.0, 5, 10) == pytest.approx(1 - 0.5 ** 3)
+    vals = [cubic_strength(t, 1e-4, 1e-2, 0, 20) for t in range(25)]
+    assert all(b >= a for a, b in zip(vals, vals[1:]))
+    with pytest.raises(ValueError, match="n"):
+        cubic_strength(1, 0.0, 1.0, 0, 0)
+
+
+def _sparse_cnn(zero_frac=0.5, seed=3):
+    torch.manual_seed(seed)
+    model = convert_to_sparse_batchnorm(SmallCNN(width=8), preserve=False)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SparseBatchNorm2d):
+                n = m.num_features
+                drop = torch.randperm(n)[: int(n * zero_frac)]
+                m.gate.alpha[drop] = 0.0  # alpha = 0 -> a = 0 exactly
+                m.shift.normal_()
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2)
+    return model
+
+
+def test_channel_removal_identical_outputs_fewer_params():
+    model = _sparse_cnn()
+    model.eval()
+    x = torch.rand(5, 1, 8, 8)
+    ref = model(x)
+    small = remove_channels(model, example_input=x)
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in model.parameters())
+    torch.testing.assert_close(small(x), ref, atol=1e-5, rtol=1e-5)
+    convs = [m for m in small.modules() if isinstance(m, nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [4, 8, 8]
+    assert small.classifier.in_features == 8
+    assert not any(isinstance(m, SparseBatchNorm2d) for m in small.modules())
+    # the original is untouched
+    torch.testing.assert_close(model(x), ref)
+
+
+def test_gate_regularisers_under_torch_compile():
+    torch._dynamo.reset()
+    gate = SparseGate(12)
+
+    def f():
+        a = gate()
+        return l1_regularizer(a) + group_l21_regularizer(a, 4) + lp_regularizer(a, 0.5)
+
+    eager = f()
+    ge = torch.autograd.grad(eager, list(gate.parameters()))
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)()
+    gc = torch.autograd.grad(compiled, list(gate.parameters()))
+    torch.testing.assert_close(compiled, eager)
+    for u, v in zip(gc, ge):
+        torch.testing.assert_close(u, v)
+
+
+def test_channel_removal_of_a_fully_zero_layer():
+    model = _sparse_cnn(0.0).eval()
+    with torch.no_grad():
+        model.features[1].gate.alpha.zero_()  # every gate of the first layer is 0
+    x = torch.rand(3, 1, 8, 8)
+    small = remove_channels(model, example_input=x)
+    assert small.features[0].out_channels == 1
+    torch.testing.assert_close(small(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_channel_removal_float64_and_gate_density():
+    model = _sparse_cnn(0.25).double().eval()
+    x = torch.rand(2, 1, 8, 8, dtype=torch.float64)
+    small = remove_channels(model)
+    torch.testing.assert_close(small(x), model(x), atol=1e-12, rtol=0)
+    assert gate_density(model) == pytest.approx(0.75)
+
+
+@pytest.mark.slow
+def test_layers_under_torch_compile_model():
+    torch._dynamo.reset()
+    model = _sparse_cnn(0.25)
+    x = torch.rand(4, 1, 8, 8)
+
+    def step(x):
+        out = model(x)
+        gs = sparse_gates(model)
+        return out.square().mean() + 1e-3 * l1_regularizer(gs) + 1e-3 * group_l21_regularizer(gs, 4) \
+            + 1e-3 * lp_regularizer(gs, 0.5)
+
+    eager = step(x)
+    ge = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(step, backend="aot_eager")(x)
+    gc = torch.autograd.grad(compiled, list(model.parameters()))
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    for u, v in zip(gc, ge):
+        torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,130 @@
+"""TwoTemperatureMask and its utilities (SPEC.md §5)."""
+import pytest
+import torch
+from torch import nn
+
+from prunopt.nn import (
+    TwoTemperatureMask,
+    apply_architecture,
+    extract_architecture,
+    layer_densities,
+    mask_density,
+    mask_regularizer,
+    reshuffle_masks,
+    stop_at_sparsity,
+    two_temperature_masks,
+    wrap_two_temperature_masks,
+)
+from prunopt.train.models import SmallCNN
+
+
+def test_defaults_and_forward_equals_masked_layer():
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 3)
+    m = TwoTemperatureMask(lin)
+    assert m.t_l == 1000.0 and m.t_s == 10.0
+    assert (m.w > 0).all()  # w0 ~ |N(0, eps)|: every weight on
+    x = torch.randn(4, 6)
+    v = torch.sigmoid(1000.0 * m.w.detach())
+    torch.testing.assert_close(m(x), torch.nn.functional.linear(x, lin.weight * v, lin.bias))
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    mc = TwoTemperatureMask(conv, t_l=100.0, t_s=1.0)
+    xc = torch.randn(1, 2, 5, 5)
+    torch.testing.assert_close(mc(xc), nn.functional.conv2d(xc, conv.weight * torch.sigmoid(100 * mc.w.detach()),
+                                                            conv.bias, padding=1))
+
+
+def test_mask_gradient_uses_soft_temperature():
+    lin = nn.Linear(3, 1, bias=False)
+    m = TwoTemperatureMask(lin, t_l=1000.0, t_s=10.0)
+    x = torch.randn(5, 3)
+    m(x).sum().backward()
+    w = m.w.detach()
+    sw = torch.sigmoid(10.0 * w)
+    expected = x.sum(0) * lin.weight.detach()[0] * 10.0 * sw[0] * (1 - sw[0])
+    torch.testing.assert_close(m.w.grad[0], expected)
+
+
+def test_regulariser_binarisation_and_target_stop():
+    torch.manual_seed(1)
+    model = wrap_two_temperature_masks(nn.Sequential(nn.Linear(20, 10), nn.ReLU(), nn.Linear(10, 2)))
+    masks = two_temperature_masks(model)
+    assert len(masks) == 2
+    opt = torch.optim.SGD([m.w for m in masks], lr=0.05)
+    stopped_at = None
+    for it in range(500):
+        opt.zero_grad()
+        reg = mask_regularizer(masks, gamma=1.0)
+        if reg.requires_grad:
+            reg.backward()
+            opt.step()
+        if stop_at_sparsity(masks, 0.5):
+            stopped_at = it
+            break
+    assert stopped_at is not None
+    assert 1 - mask_density(masks) >= 0.5
+    frozen_w = [m.w.detach().clone() for m in masks]
+    # after the stop: binary mask 1[w > 0], w no longer updated
+    assert all(not m.w.requires_grad for m in masks)
+    x = torch.randn(3, 20)
+    out = model(x)
+    l0 = masks[0].layer
+    h = torch.relu(nn.functional.linear(x, l0.weight * (frozen_w[0] > 0), l0.bias))
+    l1 = masks[1].layer
+    torch.testing.assert_close(out, nn.functional.linear(h, l1.weight * (frozen_w[1] > 0), l1.bias))
+    assert all(set(m.binary_mask().unique().tolist()) <= {0.0, 1.0} for m in masks)
+    assert mask_regularizer(masks, 1.0).item() == 0.0
+
+
+def test_layer_densities_reshuffle_and_transfer():
+    torch.manual_seed(2)
+    model = wrap_two_temperature_masks(SmallCNN(width=4))
+    masks = two_temperature_masks(model)
+    with torch.no_grad():
+        for i, m in enumerate(masks):
+            m.w.copy_(torch.randn_like(m.w) + 0.3 * i)
+    dens = layer_densities(masks)
+    before = extract_architecture(masks)
+    g = torch.Generator().manual_seed(0)
+    reshuffle_masks(masks, generator=g)
+    after = extract_architecture(masks)
+    for d, m, b, a in zip(dens, masks, before, after):
+        assert abs(a.double().mean().item() - d) <= 1.0 / a.numel()
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    other = wrap_two_temperature_masks(SmallCNN(width=4))
+    apply_architecture(two_temperature_masks(other), before)
+    assert all(torch.equal(a, b) for a, b in zip(extract_architecture(two_temperature_masks(other)), before))
+    with pytest.raises(ValueError, match="architecture"):
+        apply_architecture(two_temperature_masks(other), before[:-1])
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, float("inf"), float("nan")])
+def test_invalid_temperatures(bad):
+    with pytest.raises(ValueError, match="t_l"):
+        TwoTemperatureMask(nn.Linear(2, 2), t_l=bad)
+    with pytest.raises(ValueError, match="t_s"):
+        TwoTemperatureMask(nn.Linear(2, 2), t_s=bad)
+    with pytest.raises(TypeError):
+        TwoTemperatureMask(nn.ReLU())
+    with pytest.raises(ValueError, match="target_sparsity"):
+        stop_at_sparsity([], 1.5)
+
+
+def test_mask_under_torch_compile():
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    model = wrap_two_temperature_masks(nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)))
+    masks = two_temperature_masks(model)
+    x = torch.rand(3, 6)
+
+    def f(x):
+        return model(x).square().mean() + mask_regularizer(masks, 1e-4)
+
+    params = [m.w for m in masks]
+    eager = f(x)
+    ge = torch.autograd.grad(eager, params)
+    compiled = torch.compile(f, backend="aot_eager")(x)
+    gc = torch.autograd.grad(compiled, params)
+    torch.testing.assert_close(compiled, eager)
+    for u, v in zip(gc, ge):
+        torch.testing.assert_close(u, v, atol=1e-6, rtol=1e-4)
