@@ -23,14 +23,10 @@ TORCH_LIBRARY(prunopt, m) {
   // tensors share one budget without being concatenated.
   m.def("project_budget(Tensor[] theta, Tensor[]? cost, float budget) -> Tensor[]");
   m.def("project_budget_(Tensor(a!)[] theta, Tensor[]? cost, float budget) -> ()");
-}
 
-// ---------------------------------------------------------------------------
-// Interspace pruning: filter-basis convolution (SPEC.md section 3, issue 4).
-// Kernels: csrc/cpu/fb_reconstruct.cpp, csrc/cpu/fb_conv2d.cpp,
-// csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops.py.
-// ---------------------------------------------------------------------------
-TORCH_LIBRARY_FRAGMENT(prunopt, m) {
+  // Interspace pruning: filter-basis convolution (SPEC.md section 3, issue 4).
+  // Kernels: csrc/cpu/fb_reconstruct.cpp, csrc/cpu/fb_conv2d.cpp,
+  // csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops.py.
   // h = einsum("oin,nkl->oikl", lam * mu, basis)   (eq. 4)
   m.def("fb_reconstruct(Tensor coefficients, Tensor basis, Tensor? mask) -> Tensor");
   // eq. 6/8: sparse (eq. 8, Alg. 1) when density(lam * mu) <= max_density,
@@ -40,26 +36,20 @@ TORCH_LIBRARY_FRAGMENT(prunopt, m) {
   // eq. 8 on lam * mu already in CSR form (int32 indices; column i*N + n).
   m.def("fb_conv2d_csr(Tensor input, Tensor crow_indices, Tensor col_indices, Tensor values, Tensor basis, "
         "Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor");
-}
 
-// ---------------------------------------------------------------------------
-// prunAdag (SPEC.md section 2). The k-th largest |v| over a tensor list (exact
-// radix select, = torch.kthvalue at rank n - k + 1 on the concatenation), and
-// one fused step over one selection scope. `hyper` is float64 (ntensors, 6):
-// [lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune] per tensor; `version`
-// is 1..4, or 0 for "relevant_only"; `relevant` is the resolved T.
-// ---------------------------------------------------------------------------
-TORCH_LIBRARY_FRAGMENT(prunopt, m) {
+  // prunAdag (SPEC.md section 2). The k-th largest |v| over a tensor list (exact
+  // radix select, = torch.kthvalue at rank n - k + 1 on the concatenation), and
+  // one fused step over one selection scope. `hyper` is float64 (ntensors, 6):
+  // [lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune] per tensor; `version`
+  // is 1..4, or 0 for "relevant_only"; `relevant` is the resolved T.
   m.def("topk_threshold(Tensor[] values, int k) -> Tensor");
   m.def(
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
       "Tensor hyper, int relevant, int version) -> ()");
-}
 
-// Differentiable sparsification (SPEC.md section 4) and two-temperature
-// architecture pruning (SPEC.md section 5). Kernels: csrc/cpu/{rgf_relu,
-// sparse_gate,two_temperature_sigmoid}.cpp and csrc/cuda/*.cu of the same names.
-TORCH_LIBRARY_FRAGMENT(prunopt, m) {
+  // Differentiable sparsification (SPEC.md section 4) and two-temperature
+  // architecture pruning (SPEC.md section 5). Kernels: csrc/cpu/{rgf_relu,
+  // sparse_gate,two_temperature_sigmoid}.cpp and csrc/cuda/*.cu of the same names.
   // relu forward, elu(alpha) derivative backward (DS eq. 15).
   m.def("rgf_relu(Tensor x, float alpha) -> Tensor");
   m.def("rgf_relu_backward(Tensor grad, Tensor x, float alpha) -> Tensor");

@@ -31,7 +31,7 @@ __all__ = [
     "set_temperature",
     "finalize_probmask",
     "remove_probmask",
-    "mask_density",
+    "probmask_density",
 ]
 
 _EPS = 1e-6
@@ -230,7 +230,7 @@ def remove_probmask(model: nn.Module) -> None:
         pm.train(was_training)
 
 
-def mask_density(model: nn.Module) -> float:
+def probmask_density(model: nn.Module) -> float:
     """Fraction of masked weights whose (fixed or deterministic) mask is 1."""
     masks = probmask_modules(model)
     if not masks:

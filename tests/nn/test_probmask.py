@@ -10,7 +10,7 @@ from prunopt.nn import (
     apply_probmask,
     finalize_probmask,
     gumbel_sigmoid,
-    mask_density,
+    probmask_density,
     probmask_scores,
     remove_probmask,
     set_temperature,
@@ -60,7 +60,7 @@ def test_apply_train_eval_and_finalize_exact_count():
     total = sum(p.numel() for p in probmask_scores(model))
     k = finalize_probmask(model, 0.1)
     assert k == round(0.1 * total)
-    assert mask_density(model) == pytest.approx(k / total)
+    assert probmask_density(model) == pytest.approx(k / total)
     # the fixed mask is used in train and eval alike, and equals the top-k scores
     model.train()
     a = model[0].weight
@@ -75,7 +75,7 @@ def test_finalize_ties_give_exact_count():
     apply_probmask(model, init=0.5)  # every score tied
     total = sum(p.numel() for p in probmask_scores(model))
     k = finalize_probmask(model, 0.37)
-    assert k == round(0.37 * total) and mask_density(model) == pytest.approx(k / total)
+    assert k == round(0.37 * total) and probmask_density(model) == pytest.approx(k / total)
 
 
 def test_remove_leaves_plain_model_and_deepcopy_state_dict():

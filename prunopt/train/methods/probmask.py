@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from prunopt.nn.probmask import apply_probmask, finalize_probmask, mask_density, probmask_scores, set_temperature
+from prunopt.nn.probmask import apply_probmask, finalize_probmask, probmask_density, probmask_scores, set_temperature
 from prunopt.optim.budget import BudgetProjection
 from prunopt.schedules import DensitySchedule, TemperatureSchedule
 from prunopt.train.data import load_digits
@@ -72,7 +72,7 @@ def run(args) -> Summary:
     for _ in progress(range(finetune), "finetune", args.progress):
         train_epoch(masked, opt, data.x_train, data.y_train, args.batch_size, gen)
     pruned_acc = evaluate(masked, data.x_test, data.y_test)
-    density = mask_density(masked)
+    density = probmask_density(masked)
     summary = Summary("probmask", dense_acc, pruned_acc, density, {"target_density": float(args.density)})
     write_outputs(args.out, summary, {"model": masked.state_dict(), "args": vars(args)}, history)
     return summary
