@@ -66,3 +66,24 @@ __all__ += [
     "sparse_gate_composed",
     "sparse_gate_reference",
 ]
+
+
+# --- which reference is the oracle of which registered op -------------------
+# Every schema in csrc/ops.cpp has an entry (tests/test_reference_coverage.py).
+REFERENCE_FOR_OP = {
+    "project_budget": project_budget_reference,
+    "project_budget_": project_budget_reference,  # in-place variant
+    "topk_threshold": topk_threshold_reference,
+    "prunadag_step_": prunadag_step_reference,
+    "fb_reconstruct": fb_reconstruct_reference,
+    "fb_conv2d": fb_conv2d_reference,
+    "fb_conv2d_csr": fb_conv2d_sparse_reference,
+    "rgf_relu": rgf_relu_reference,
+    "rgf_relu_backward": rgf_relu_backward_reference,
+    "sparse_gate": sparse_gate_reference,
+    "sparse_gate_backward": sparse_gate_backward_reference,
+    "two_temperature_sigmoid": two_temperature_sigmoid_reference,
+    "two_temperature_sigmoid_backward": two_temperature_sigmoid_backward_reference,
+}
+
+__all__ += ["REFERENCE_FOR_OP"]
