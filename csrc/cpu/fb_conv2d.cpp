@@ -347,13 +347,6 @@ at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const
   return y;
 }
 
-at::Tensor reconstruct(const at::Tensor& coefficients, const at::Tensor& basis, const c10::optional<at::Tensor>& mask) {
-  static auto op = c10::Dispatcher::singleton()
-      .findSchemaOrThrow("prunopt::fb_reconstruct", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
-  return op.call(coefficients, basis, mask);
-}
-
 at::Tensor fb_conv2d_cpu(const at::Tensor& input, const at::Tensor& coefficients, const at::Tensor& basis,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double max_density) {

@@ -26,6 +26,7 @@
 #endif
 
 #include "prunopt/prunadag.h"
+#include "prunopt/tensor_list.h"
 
 namespace prunopt {
 namespace cpu {
@@ -429,15 +430,12 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   }
   // Work on contiguous tensors in the same logical order; copy back the ones
   // that were not contiguous after the update.
-  std::vector<at::Tensor> xs(nt), sos(nt), sds(nt), gs(nt);
+  const auto xs = contiguous_all(params), sos = contiguous_all(opt_sums), sds = contiguous_all(dec_sums),
+             gs = contiguous_all(grads);
   std::vector<Seg> segs;
   int64_t total = 0, n_pruned = 0;
   bool any_wd = false;
   for (size_t i = 0; i < nt; ++i) {
-    xs[i] = params[i].contiguous();
-    sos[i] = opt_sums[i].contiguous();
-    sds[i] = dec_sums[i].contiguous();
-    gs[i] = grads[i].contiguous();
     if (params[i].numel() == 0) {
       continue;
     }
@@ -476,17 +474,9 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
     }
     update_pass<scalar_t>(segs, total, tau, r, static_cast<int>(version));
   });
-  for (size_t i = 0; i < nt; ++i) {
-    if (!xs[i].is_same(params[i])) {
-      params[i].copy_(xs[i]);
-    }
-    if (!sos[i].is_same(opt_sums[i])) {
-      opt_sums[i].copy_(sos[i]);
-    }
-    if (!sds[i].is_same(dec_sums[i])) {
-      dec_sums[i].copy_(sds[i]);
-    }
-  }
+  copy_back(xs, params);
+  copy_back(sos, opt_sums);
+  copy_back(sds, dec_sums);
 }
 
 }  // namespace

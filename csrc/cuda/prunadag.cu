@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "prunopt/prunadag.h"
+#include "prunopt/tensor_list.h"
 
 namespace prunopt {
 namespace cuda {
@@ -397,13 +398,10 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   // `hyper` on the device (no host synchronisation); the Python wrapper has
   // already checked 1 <= T <= n.
   const at::Tensor h = hyper.contiguous();
-  std::vector<at::Tensor> xs(nt), sos(nt), sds(nt), gs(nt);
+  const auto xs = contiguous_all(params), sos = contiguous_all(opt_sums), sds = contiguous_all(dec_sums),
+             gs = contiguous_all(grads);
   std::vector<Host> hs;
   for (size_t i = 0; i < nt; ++i) {
-    xs[i] = params[i].contiguous();
-    sos[i] = opt_sums[i].contiguous();
-    sds[i] = dec_sums[i].contiguous();
-    gs[i] = grads[i].contiguous();
     if (params[i].numel() == 0) {
       continue;
     }
@@ -440,17 +438,9 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  for (size_t i = 0; i < nt; ++i) {
-    if (!xs[i].is_same(params[i])) {
-      params[i].copy_(xs[i]);
-    }
-    if (!sos[i].is_same(opt_sums[i])) {
-      opt_sums[i].copy_(sos[i]);
-    }
-    if (!sds[i].is_same(dec_sums[i])) {
-      dec_sums[i].copy_(sds[i]);
-    }
-  }
+  copy_back(xs, params);
+  copy_back(sos, opt_sums);
+  copy_back(sds, dec_sums);
 }
 
 }  // namespace

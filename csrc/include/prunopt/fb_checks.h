@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Optional.h>
 
 #include "prunopt/fb_conv.h"
@@ -77,6 +78,16 @@ inline void check_fb_csr_args(const at::Tensor& crow, const at::Tensor& col, con
       basis.scalar_type(), ", got ", values.scalar_type());
   TORCH_CHECK_VALUE(crow.device() == basis.device() && col.device() == basis.device() &&
       values.device() == basis.device(), op, ": crow_indices, col_indices and values must be on ", basis.device());
+}
+
+// The filters h = einsum("oin,nkl->oikl", lam * mu, basis) through the
+// dispatcher, so that the training path of fb_conv2d uses the fused
+// fb_reconstruct kernel of the tensors' device.
+inline at::Tensor reconstruct(const at::Tensor& coefficients, const at::Tensor& basis, const c10::optional<at::Tensor>& mask) {
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("prunopt::fb_reconstruct", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
+  return op.call(coefficients, basis, mask);
 }
 
 }  // namespace prunopt

@@ -9,17 +9,9 @@
 #include <vector>
 
 #include "prunopt/checks.h"
+#include "prunopt/tensor_list.h"
 
 namespace prunopt {
-
-inline std::vector<at::Tensor> contiguous_all(at::TensorList ts) {
-  std::vector<at::Tensor> out;
-  out.reserve(ts.size());
-  for (const auto& t : ts) {
-    out.push_back(t.contiguous());  // the same tensor when already contiguous
-  }
-  return out;
-}
 
 template <typename ProjectInto>
 std::vector<at::Tensor> project_budget_entry(
@@ -45,11 +37,7 @@ void project_budget_inplace_entry(
   auto inputs = contiguous_all(theta);
   auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
   project_into(inputs, costs, inputs, budget, "project_budget_");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].is_same(theta[i])) {
-      theta[i].copy_(inputs[i]);
-    }
-  }
+  copy_back(inputs, theta);
 }
 
 }  // namespace prunopt
