@@ -220,6 +220,8 @@ def l1_regularizer(gates: TensorOrList) -> Tensor:
     gs = _as_list(gates)
     if not gs:
         raise ValueError("gates is empty")
+    if any(g.numel() == 0 for g in gs):
+        raise ValueError("l1_regularizer: empty group (a gate tensor has 0 entries)")
     return sum(g.abs().sum() for g in gs)
 
 
@@ -243,11 +245,11 @@ def group_l21_regularizer(gates: TensorOrList, group_size: Optional[int] = None)
     total = 0
     for g in gs:
         n = g.shape[-1] if g.dim() else 1
+        if g.numel() == 0:
+            raise ValueError("group_l21_regularizer: empty group (a gate tensor has 0 entries)")
         size = n if group_size is None else group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"group_size must be a positive int (an empty group is not allowed), got {group_size!r}")
-        if n == 0:
-            raise ValueError("group_l21_regularizer: empty group (a gate tensor has 0 entries)")
         if n % size:
             raise ValueError(f"group_size {size} does not divide the number of gates {n}")
         total = total + _safe_l2(g.reshape(*g.shape[:-1], n // size, size) if g.dim() else g.reshape(1, 1)).sum()
