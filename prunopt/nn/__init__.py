@@ -54,5 +54,7 @@ from prunopt.nn.architecture import *  # noqa: E402,F401,F403
 from prunopt.nn.architecture import __all__ as _architecture_all  # noqa: E402
 from prunopt.nn.sparsification import *  # noqa: E402,F401,F403
 from prunopt.nn.sparsification import __all__ as _sparsification_all  # noqa: E402
+from prunopt.nn.sparse_graph import *  # noqa: E402,F401,F403
+from prunopt.nn.sparse_graph import __all__ as _sparse_graph_all  # noqa: E402
 
-__all__ += list(_sparsification_all) + list(_architecture_all)
+__all__ += list(_sparsification_all) + list(_architecture_all) + list(_sparse_graph_all)

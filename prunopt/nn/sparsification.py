@@ -220,6 +220,8 @@ def l1_regularizer(gates: TensorOrList) -> Tensor:
     gs = _as_list(gates)
     if not gs:
         raise ValueError("gates is empty")
+    if any(g.numel() == 0 for g in gs):
+        raise ValueError("l1_regularizer: empty group (a gate tensor has 0 entries)")
     return sum(g.abs().sum() for g in gs)
 
 
@@ -243,11 +245,11 @@ def group_l21_regularizer(gates: TensorOrList, group_size: Optional[int] = None)
     total = 0
     for g in gs:
         n = g.shape[-1] if g.dim() else 1
+        if g.numel() == 0:
+            raise ValueError("group_l21_regularizer: empty group (a gate tensor has 0 entries)")
         size = n if group_size is None else group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"group_size must be a positive int (an empty group is not allowed), got {group_size!r}")
-        if n == 0:
-            raise ValueError("group_l21_regularizer: empty group (a gate tensor has 0 entries)")
         if n % size:
             raise ValueError(f"group_size {size} does not divide the number of gates {n}")
         total = total + _safe_l2(g.reshape(*g.shape[:-1], n // size, size) if g.dim() else g.reshape(1, 1)).sum()
@@ -304,16 +306,7 @@ def gate_density(model: nn.Module) -> float:
 # ----------------------------------------------------------------- channel removal
 _PASS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
          nn.Dropout, nn.Dropout2d, nn.Identity)
-
-
-def _leaves(model: nn.Module) -> List[tuple]:
-    out = []
-    for name, m in model.named_modules():
-        if isinstance(m, SparseBatchNorm2d):
-            out.append((name, m))
-        elif len(list(m.children())) == 0 and not isinstance(m, SparseGate):
-            out.append((name, m))
-    return out
+_BN = (nn.BatchNorm2d,)
 
 
 def _set(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -328,72 +321,247 @@ def _flatten_keeps_channels(prev: Optional[nn.Module]) -> bool:
     return False
 
 
+def _plain_conv(m) -> bool:
+    return isinstance(m, nn.Conv2d) and m.groups == 1
+
+
+class _Block:
+    """A residual block recognised by its attribute names (torchvision's
+    BasicBlock/Bottleneck convention): ``conv1, bn1, ..., convK, bnK`` (K >= 2,
+    registered in this order)
+    and a shortcut ``shortcut``/``downsample`` that is the identity (``None``,
+    ``nn.Identity``, an empty ``nn.Sequential``) or a projection
+    ``nn.Sequential(Conv2d, BatchNorm2d)``. Its forward is assumed to be
+    ``relu(bnK(convK(... relu(bn1(conv1(x))))) + shortcut(x))``."""
+
+    def __init__(self, name: str, m: nn.Module):
+        self.name, self.module = name, m
+        k = 1
+        while isinstance(getattr(m, f"conv{k + 1}", None), nn.Module):
+            k += 1
+        self.convs = [(f"{name}.conv{i}", getattr(m, f"conv{i}")) for i in range(1, k + 1)]
+        self.bns = [(f"{name}.bn{i}", getattr(m, f"bn{i}")) for i in range(1, k + 1)]
+        attr = "shortcut" if hasattr(m, "shortcut") else "downsample"
+        sc = getattr(m, attr, None)
+        self.projection = None  # ((conv name, conv), (bn name, bn)) or None for the identity
+        self.known_shortcut = True
+        if sc is None or isinstance(sc, nn.Identity) or (isinstance(sc, nn.Sequential) and len(sc) == 0):
+            pass
+        elif isinstance(sc, nn.Sequential) and len(sc) == 2 and _plain_conv(sc[0]) and isinstance(sc[1], _BN):
+            self.projection = ((f"{name}.{attr}.0", sc[0]), (f"{name}.{attr}.1", sc[1]))
+        else:
+            self.known_shortcut = False
+
+    @staticmethod
+    def matches(m: nn.Module) -> bool:
+        if not (hasattr(m, "shortcut") or hasattr(m, "downsample")):
+            return False
+        k = 1
+        while isinstance(getattr(m, f"conv{k + 1}", None), nn.Module):
+            k += 1
+        if k < 2 or not all(_plain_conv(getattr(m, f"conv{i}", None)) and isinstance(getattr(m, f"bn{i}", None), _BN)
+                            for i in range(1, k + 1)):
+            return False
+        # post-activation order conv1, bn1, conv2, bn2, ... as registered (a pre-activation block
+        # registers bn1 first and is not this pattern)
+        order = {name: i for i, (name, _) in enumerate(m.named_children())}
+        seq = [order.get(f"{kind}{i}", -1) for i in range(1, k + 1) for kind in ("conv", "bn")]
+        return all(a < b for a, b in zip(seq, seq[1:]))
+
+
+def _units(model: nn.Module, prefix: str = "") -> List[tuple]:
+    """Leaf modules in registration order, with residual blocks as one unit."""
+    out = []
+    for name, m in model.named_children():
+        full = f"{prefix}.{name}" if prefix else name
+        if isinstance(m, SparseGate):
+            continue
+        if _Block.matches(m):
+            out.append((full, _Block(full, m)))
+        elif hasattr(m, "shortcut") or hasattr(m, "downsample"):
+            out.append((full, m))  # a residual block of another shape: opaque, its channels are kept
+        elif isinstance(m, SparseBatchNorm2d) or len(list(m.children())) == 0:
+            out.append((full, m))
+        else:
+            out.extend(_units(m, full))
+    return out
+
+
+class _Tensor:
+    """A feature map whose channels may be removed: the (conv, BN) pairs whose
+    outputs add into it (each ``conv -> BN`` possibly followed by zero-preserving
+    modules), and the modules that read it (their input channels)."""
+
+    def __init__(self, producers):
+        self.producers = list(producers)  # [(conv or None, (bn name, bn))]
+        self.consumers: List[nn.Module] = []
+        self.ok = all(c is not None for c, _ in self.producers)
+
+
+def _live_channels(bn: nn.Module) -> Tensor:
+    """Channels a BN can make non-zero: all for a plain BN, ``a != 0`` for a sparse one."""
+    if isinstance(bn, SparseBatchNorm2d):
+        return bn.gate().detach() != 0
+    return torch.ones(bn.num_features, dtype=torch.bool, device=bn.running_mean.device
+                      if bn.running_mean is not None else None)
+
+
+def _shrink(t: _Tensor, keep_of: dict) -> None:
+    """Removes the channels of ``t`` that are zero in every producer."""
+    if not (t.ok and t.consumers):
+        return
+    n = t.producers[0][1][1].num_features
+    if any(bn.num_features != n for _, (_, bn) in t.producers):
+        return
+    live = torch.zeros(n, dtype=torch.bool)
+    for _, (_, bn) in t.producers:
+        live |= _live_channels(bn).cpu()
+    if bool(live.all()):
+        return
+    keep = torch.nonzero(live).flatten()
+    if keep.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long)  # torch has no 0-channel conv; this channel is 0 everywhere
+    for conv, (bn_name, _) in t.producers:
+        k = keep.to(conv.weight.device)
+        conv.weight = nn.Parameter(conv.weight[k].clone())
+        if conv.bias is not None:
+            conv.bias = nn.Parameter(conv.bias[k].clone())
+        conv.out_channels = k.numel()
+        keep_of[bn_name] = k
+    for c in t.consumers:
+        k = keep.to(c.weight.device)
+        c.weight = nn.Parameter(c.weight[:, k].clone())
+        if isinstance(c, nn.Conv2d):
+            c.in_channels = k.numel()
+        else:
+            c.in_features = k.numel()
+
+
+def _to_plain_bn(m: nn.Module, keep: Optional[Tensor]) -> nn.BatchNorm2d:
+    """Inference BatchNorm2d equal to the sparse BN ``m`` (weight a, bias a b), restricted to ``keep``."""
+    a = m.gate().detach()
+    keep = torch.arange(a.numel(), device=a.device) if keep is None else keep.to(a.device)
+    bn = nn.BatchNorm2d(keep.numel(), eps=m.eps, momentum=m.momentum, affine=True,
+                        track_running_stats=m.track_running_stats, device=a.device, dtype=a.dtype)
+    if m.running_mean is not None:
+        bn.running_mean.copy_(m.running_mean[keep])
+        bn.running_var.copy_(m.running_var[keep])
+        bn.num_batches_tracked.copy_(m.num_batches_tracked)
+    bn.weight.copy_(a[keep])
+    bn.bias.copy_(a[keep] * m.shift[keep])
+    return bn.eval()
+
+
+def _slice_plain_bn(m: nn.BatchNorm2d, keep: Tensor) -> None:
+    k = keep.to(m.running_mean.device if m.running_mean is not None else m.weight.device)
+    if m.running_mean is not None:
+        m.running_mean = m.running_mean[k].clone()
+        m.running_var = m.running_var[k].clone()
+    if m.affine:
+        m.weight = nn.Parameter(m.weight[k].clone())
+        m.bias = nn.Parameter(m.bias[k].clone())
+    m.num_features = k.numel()
+
+
 @torch.no_grad()
 def remove_channels(model: nn.Module, example_input: Optional[Tensor] = None, atol: float = 1e-5) -> nn.Module:
     r"""A physically smaller copy of ``model`` for inference, with every channel
-    whose sparse-BN gate is exactly 0 removed (DS eq. 17: :math:`y_c = 0`).
+    that a zero sparse-BN gate makes exactly 0 removed (DS eq. 17: :math:`y_c = a_c(\hat x_c + b_c) = 0`).
 
-    The model must run its leaf modules in registration order (``nn.Sequential``
-    nets such as :class:`prunopt.train.models.SmallCNN`). For each conv → SparseBN
-    → (ReLU, pooling, dropout)* → conv/linear chain, the producer conv loses the
-    output channels, the consumer the input channels; every SparseBN becomes a
-    plain ``BatchNorm2d`` (eval statistics, weight ``a``, bias ``a b``). A channel
-    is kept where removal cannot be proven exact (no producing conv, no consumer,
-    a non-zero-preserving module in between). With ``example_input`` the outputs
-    of the copy are checked against the original (``RuntimeError`` on mismatch).
+    The model must run its modules in registration order (``nn.Sequential``
+    style, e.g. :class:`prunopt.train.models.SmallCNN` and
+    :class:`prunopt.train.models.SmallResNet`). Two patterns are handled:
+
+    * chains ``conv -> SparseBN -> (ReLU, pooling, dropout, flatten after global
+      pooling)* -> conv/linear``: the producer conv loses the output channels
+      whose gate is 0, the consumer the matching input channels;
+    * residual blocks (``conv1, bn1, ..., convK, bnK`` registered in this order, plus a ``shortcut`` /
+      ``downsample`` that is the identity or ``Sequential(conv, BN)``, forward
+      ``relu(bnK(convK(...)) + shortcut(x))``). *Internal* channels (the output
+      of ``bn1 .. bn(K-1)``) are removed as in a chain. A channel of the
+      *residual stream* — the tensor carried by identity shortcuts from the
+      stem or a projection to the next projection or the classifier — is
+      removed only if it is zero in **every** path that adds into it: the
+      stem's (or the projection shortcut's) BN and the last BN of every block
+      on that stream. Then every tensor of the stream is 0 in that channel
+      (``relu(0 + 0) = 0``), and all its producers (convs) lose the output
+      channel and all its readers (each block's ``conv1``, the next
+      projection's conv, the classifier) the input channel.
+
+    Every SparseBN becomes a plain ``BatchNorm2d`` (eval statistics, weight
+    ``a``, bias ``a b``). Channels are kept wherever removal cannot be proven
+    exact (no producing conv, an unknown module or shortcut, no reader). With
+    ``example_input`` the outputs of the copy are checked against the original
+    (``RuntimeError`` on mismatch).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     was_training = model.training
     model.eval()
     new = copy.deepcopy(model)
-    leaves = _leaves(new)
-    for idx, (name, m) in enumerate(leaves):
-        if not isinstance(m, SparseBatchNorm2d):
-            continue
-        a = m.gate().detach()
-        keep = torch.nonzero(a != 0).flatten()
-        producer = leaves[idx - 1][1] if idx > 0 else None
-        consumer, ok, prev = None, True, m
-        for _, nxt in leaves[idx + 1:]:
-            if isinstance(nxt, _PASS):
-                prev = nxt
-                continue
-            if isinstance(nxt, nn.Flatten) and _flatten_keeps_channels(prev):
-                prev = nxt
-                continue
-            if (isinstance(nxt, nn.Conv2d) and nxt.groups == 1) or isinstance(nxt, nn.Linear):
-                consumer = nxt
-            ok = consumer is not None
-            break
-        removable = ok and isinstance(producer, nn.Conv2d) and producer.groups == 1 and keep.numel() < a.numel()
-        if not removable:
-            keep = torch.arange(a.numel(), device=a.device)
-        elif keep.numel() == 0:
-            keep = torch.zeros(1, dtype=torch.long, device=a.device)  # torch has no 0-channel conv; its output is 0
-        bn = nn.BatchNorm2d(keep.numel(), eps=m.eps, momentum=m.momentum, affine=True,
-                            track_running_stats=m.track_running_stats, device=a.device, dtype=a.dtype)
-        if m.running_mean is not None:
-            bn.running_mean.copy_(m.running_mean[keep])
-            bn.running_var.copy_(m.running_var[keep])
-            bn.num_batches_tracked.copy_(m.num_batches_tracked)
-        bn.weight.copy_(a[keep])
-        bn.bias.copy_(a[keep] * m.shift[keep])
-        bn.eval()
-        _set(new, name, bn)
-        if removable:
-            producer.weight = nn.Parameter(producer.weight[keep].clone())
-            if producer.bias is not None:
-                producer.bias = nn.Parameter(producer.bias[keep].clone())
-            producer.out_channels = keep.numel()
-            consumer.weight = nn.Parameter(consumer.weight[:, keep].clone())
-            if isinstance(consumer, nn.Conv2d):
-                consumer.in_channels = keep.numel()
+    keep_of: dict = {}
+    tensors: List[_Tensor] = []
+    cur: Optional[_Tensor] = None  # the feature map flowing along the sequence
+    prev = None  # previous unit
+
+    def close(ok: bool = True):
+        nonlocal cur
+        if cur is not None:
+            cur.ok = cur.ok and ok
+            tensors.append(cur)
+        cur = None
+
+    for name, u in _units(new):
+        if isinstance(u, _Block):
+            for (cn, c), bnp, nxt in zip(u.convs, u.bns, u.convs[1:]):  # internal channels
+                t = _Tensor([(c, bnp)])
+                t.consumers.append(nxt[1])
+                tensors.append(t)
+            last = (u.convs[-1][1], u.bns[-1])
+            if not u.known_shortcut:
+                close(False)
+                cur = _Tensor([last])
+                cur.ok = False
+            elif u.projection is None:
+                if cur is None:
+                    cur = _Tensor([])
+                    cur.ok = False
+                cur.consumers.append(u.convs[0][1])
+                cur.producers.append(last)
             else:
-                consumer.in_features = keep.numel()
+                if cur is not None:
+                    cur.consumers += [u.convs[0][1], u.projection[0][1]]
+                close()
+                cur = _Tensor([(u.projection[0][1], u.projection[1]), last])
+        elif isinstance(u, _BN):
+            close(False)  # a BN right after a BN (or after an unknown module) is not a chain we know
+            cur = _Tensor([(prev if _plain_conv(prev) else None, (name, u))])
+        elif isinstance(u, _PASS) or (isinstance(u, nn.Flatten) and _flatten_keeps_channels(prev)):
+            pass
+        elif _plain_conv(u) or isinstance(u, nn.Linear):
+            if cur is not None:
+                cur.consumers.append(u)
+            close()
+        else:
+            close(False)
+        prev = u
+    close(False)  # the model's output: nothing reads it
+    for t in tensors:
+        _shrink(t, keep_of)
+    for name, m in list(new.named_modules()):
+        if isinstance(m, SparseBatchNorm2d):
+            _set(new, name, _to_plain_bn(m, keep_of.get(name)))
+        elif isinstance(m, _BN) and name in keep_of:
+            _slice_plain_bn(m, keep_of[name])
     new.eval()
     if example_input is not None:
-        ref, out = model(example_input), new(example_input)
+        ref = model(example_input)
+        try:
+            out = new(example_input)
+        except RuntimeError as e:
+            model.train(was_training)
+            raise RuntimeError("remove_channels: the exported model does not run on example_input "
+                               f"({e}); is the model's forward a sequential pass over its modules?") from e
         if ref.shape != out.shape or not torch.allclose(ref, out, atol=atol, rtol=1e-5):
             model.train(was_training)
             raise RuntimeError("remove_channels: the exported model does not reproduce the original outputs "

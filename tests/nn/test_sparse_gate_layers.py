@@ -140,8 +140,20 @@ def test_regulariser_errors():
         group_l21_regularizer(torch.ones(6), group_size=4)
     with pytest.raises(ValueError, match="group_size"):
         group_l21_regularizer(torch.ones(6), group_size=0)
+    with pytest.raises(ValueError, match="empty group"):
+        group_l21_regularizer(torch.ones(3, 0), group_size=2)
+    with pytest.raises(ValueError, match="empty group"):
+        l1_regularizer([torch.ones(3), torch.ones(0)])
+    with pytest.raises(ValueError, match="empty group"):
+        lp_regularizer([torch.ones(3), torch.ones(2, 0)], 0.5)
+    with pytest.raises(ValueError, match="gates is empty"):
+        group_l21_regularizer([])
     with pytest.raises(ValueError, match="num_gates"):
         SparseGate(0)
+    with pytest.raises(ValueError, match="rgf_alpha"):
+        SparseGate(3, rgf_alpha=-0.1)
+    with pytest.raises(TypeError, match="num_gates"):
+        SparseGate(2.0)
     with pytest.raises(TypeError, match="gates"):
         l1_regularizer("a")
 
