@@ -40,6 +40,7 @@
 #define PRUNOPT_PRUNADAG_X86 1
 #endif
 
+#include "prunopt/cpu_math.h"
 #include "prunopt/prunadag.h"
 #include "prunopt/tensor_list.h"
 
@@ -187,6 +188,10 @@ struct SimdF {
     compress_scalar<float, 4>(dst, t, mask);
   }
   static Acc acc_zero() { return _mm_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm_add_ps(acc, _mm_mul_ps(v, v)); }
+  static void acc_add(Acc& acc, V v) {
+    acc = _mm_add_pd(acc, _mm_add_pd(_mm_cvtps_pd(v), _mm_cvtps_pd(_mm_movehl_ps(v, v))));
+  }
   static void acc_sq(Acc& acc, V v) {
     const __m128d l = _mm_cvtps_pd(v), h = _mm_cvtps_pd(_mm_movehl_ps(v, v));
     acc = _mm_add_pd(acc, _mm_add_pd(_mm_mul_pd(l, l), _mm_mul_pd(h, h)));
@@ -230,6 +235,8 @@ struct SimdD {
     compress_scalar<double, 2>(dst, t, mask);
   }
   static Acc acc_zero() { return _mm_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm_add_pd(acc, _mm_mul_pd(v, v)); }
+  static void acc_add(Acc& acc, V v) { acc = _mm_add_pd(acc, v); }
   static void acc_sq(Acc& acc, V v) { acc = _mm_add_pd(acc, _mm_mul_pd(v, v)); }
   static double acc_sum(Acc a) {
     double t[2];
@@ -281,6 +288,11 @@ struct SimdF {
     _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, perm));
   }
   static Acc acc_zero() { return _mm256_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm256_fmadd_ps(v, v, acc); }
+  static void acc_add(Acc& acc, V v) {
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
+        _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+  }
   static void acc_sq(Acc& acc, V v) {
     const __m256d l = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), h = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
     acc = _mm256_fmadd_pd(l, l, acc);
@@ -324,6 +336,8 @@ struct SimdD {
     _mm256_storeu_pd(dst, _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm)));
   }
   static Acc acc_zero() { return _mm256_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm256_fmadd_pd(v, v, acc); }
+  static void acc_add(Acc& acc, V v) { acc = _mm256_add_pd(acc, v); }
   static void acc_sq(Acc& acc, V v) { acc = _mm256_fmadd_pd(v, v, acc); }
   static double acc_sum(Acc a) {
     double t[4];
@@ -346,13 +360,13 @@ bool use_avx2() {
   return ok;
 }
 
-template <typename scalar_t, bool kX, bool kNorms>
-void scan_range(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
+template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
+void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
     scalar_t* cg, scalar_t* cx) {
   if (use_avx2()) {
-    avx2::scan_range<scalar_t, kX, kNorms>(s, b, e, lo, hi, out, cg, cx);
+    avx2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
   } else {
-    sse2::scan_range<scalar_t, kX, kNorms>(s, b, e, lo, hi, out, cg, cx);
+    sse2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
   }
 }
 
@@ -370,9 +384,27 @@ namespace generic {
 #include "prunadag_kernels.inc"
 #undef PRUNOPT_PRUNADAG_SCALAR_ONLY
 }  // namespace generic
-using generic::scan_range;
+template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
+void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
+    scalar_t* cg, scalar_t* cx) {
+  generic::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
+}
 using generic::update_range;
 #endif
+
+// The scan of one piece, specialised on the segment's weight decay (needs kX)
+// and maximize.
+template <typename scalar_t, bool kX, bool kNorms>
+void scan_range(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
+    scalar_t* cg, scalar_t* cx) {
+  const bool neg = s.h[kMaximize] != 0.0;
+  if (kX && s.h[kWeightDecay] != 0.0) {
+    return neg ? scan_range_isa<scalar_t, kX, kNorms, kX, true>(s, b, e, lo, hi, out, cg, cx)
+               : scan_range_isa<scalar_t, kX, kNorms, kX, false>(s, b, e, lo, hi, out, cg, cx);
+  }
+  return neg ? scan_range_isa<scalar_t, kX, kNorms, false, true>(s, b, e, lo, hi, out, cg, cx)
+             : scan_range_isa<scalar_t, kX, kNorms, false, false>(s, b, e, lo, hi, out, cg, cx);
+}
 
 template <typename scalar_t>
 void norms_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double& g_r2, double& x_m2) {
@@ -494,20 +526,39 @@ int64_t sample_bracket(const std::vector<Seg>& segs, int64_t total, int64_t n, i
   if (n < kSampleMin) {
     return n;
   }
-  std::vector<scalar_t> sample;
-  sample.reserve(kSampleBlocks * kSampleLen);
+  // Locate the blocks and prefetch them all first: the gather is then not a
+  // chain of ~2 * kSampleBlocks dependent cache misses.
+  struct Piece {
+    const Seg* s;
+    int64_t b, e;
+  };
+  std::vector<Piece> pieces;
+  pieces.reserve(kSampleBlocks + 16);
   for (int64_t blk = 0; blk < kSampleBlocks; ++blk) {
     const int64_t start = blk * (total - kSampleLen) / (kSampleBlocks - 1);
     for_each_piece(segs, start, std::min(total, start + kSampleLen), [&](const Seg& s, int64_t b, int64_t e) {
       if (s.prune) {
-        for (int64_t j = b; j < e; ++j) {
-          const scalar_t a = abs_effective<scalar_t>(s, j, with_x);
-          if (a < inf) {  // inf/NaN are found (and rejected) by the scan
-            sample.push_back(a);
-          }
+        pieces.push_back(Piece{&s, b, e});
+        const scalar_t* g = static_cast<const scalar_t*>(s.g);
+        __builtin_prefetch(g + b);
+        __builtin_prefetch(g + e - 1);
+        if (with_x) {
+          const scalar_t* x = static_cast<const scalar_t*>(s.x);
+          __builtin_prefetch(x + b);
+          __builtin_prefetch(x + e - 1);
         }
       }
     });
+  }
+  std::vector<scalar_t> sample;
+  sample.reserve(kSampleBlocks * kSampleLen);
+  for (const Piece& p : pieces) {
+    for (int64_t j = p.b; j < p.e; ++j) {
+      const scalar_t a = abs_effective<scalar_t>(*p.s, j, with_x);
+      if (a < inf) {  // inf/NaN are found (and rejected) by the scan
+        sample.push_back(a);
+      }
+    }
   }
   const int64_t ns = static_cast<int64_t>(sample.size());
   if (ns < 64) {
@@ -646,25 +697,28 @@ Selected sampled_select(const std::vector<Seg>& segs, int64_t total, int64_t n, 
       magnitude_key<scalar_t>(hi), k - above);
   tau = value_of_key<scalar_t>(tkey);
   if constexpr (kNorms) {
-    double g2 = 0.0, x2 = 0.0;
-    for (const auto& o : outs) {
-      g2 += o.g2;
-      x2 += o.x2;
-    }
-    for (const auto& o : outs) {
-      double cg2 = 0.0, cx2 = 0.0;
-      for (int64_t j = 0; j < o.ncand; ++j) {  // branch-free: the split is ~50/50
-        const scalar_t g = o.cg[j], x = o.cx[j];
-        const double rel = magnitude_key<scalar_t>(g) >= tkey ? 1.0 : 0.0;
-        const double m = (1.0 - rel) * (x * g > scalar_t(0) ? 1.0 : 0.0);
-        cg2 += rel * (double(g) * double(g));
-        cx2 += m * (double(x) * double(x));
+    // The candidates' share, per chunk in parallel, then summed in chunk order.
+    std::vector<double> cg2(nchunks, 0.0), cx2(nchunks, 0.0);
+    at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t ch = cb; ch < ce; ++ch) {
+        const auto& o = outs[ch];
+        double sg = 0.0, sx = 0.0;
+        for (int64_t j = 0; j < o.ncand; ++j) {  // branch-free (cpu_math.h): the split is ~50/50
+          const scalar_t g = o.cg[j], x = o.cx[j];
+          // key >= tkey without a compare GCC would turn into a branch (keys < 2^(bits-1))
+          const K diff = magnitude_key<scalar_t>(g) - tkey;
+          const double rel = static_cast<double>(1 - static_cast<int>(diff >> (8 * sizeof(K) - 1)));
+          sg += rel * (double(g) * double(g));
+          sx += cpu_math::select_lt(0.0, static_cast<double>(x * g), (1.0 - rel) * (double(x) * double(x)));
+        }
+        cg2[ch] = sg;
+        cx2[ch] = sx;
       }
-      g2 += cg2;
-      x2 += cx2;
+    });
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      res.g_r2 += outs[ch].g2 + cg2[ch];
+      res.x_m2 += outs[ch].x2 + cx2[ch];
     }
-    res.g_r2 = g2;
-    res.x_m2 = x2;
   }
   res.ok = true;
   return res;
