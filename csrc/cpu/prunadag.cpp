@@ -812,10 +812,21 @@ at::Tensor topk_threshold_cpu(at::TensorList values, int64_t k) {
 }
 
 void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
-    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version) {
+    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version,
+    const std::optional<at::Tensor>& found_nonfinite) {
   const char* op = "prunadag_step_";
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, op, ": version must be 0 (relevant_only) or 1..4, got ", version);
+  const bool flagged = found_nonfinite.has_value() && found_nonfinite->defined();
+  if (flagged) {
+    const auto& f = *found_nonfinite;
+    TORCH_CHECK_VALUE(f.scalar_type() == at::kFloat && f.numel() == 1 && f.device().is_cpu(), op,
+        ": found_nonfinite must be a one-element float32 tensor on the CPU, got ", f.scalar_type(), " ", f.sizes(),
+        " on ", f.device());
+    if (f.item<float>() != 0.0f) {
+      return;  // an earlier scope of this step had a non-finite gradient: skip
+    }
+  }
   if (nt == 0) {
     return;
   }
@@ -870,6 +881,7 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   }
   TORCH_CHECK_VALUE(n_pruned == 0 || (relevant >= 1 && relevant <= n_pruned), op,
       ": relevant (T) must be in [1, n=", n_pruned, "], got ", relevant);
+  bool skipped = false;
   AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_step_", [&] {
     // T >= n: every element is relevant; the pass only checks finiteness.
     const int64_t k = (n_pruned == 0 || relevant >= n_pruned) ? 0 : relevant;
@@ -877,16 +889,28 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
     const bool norms = k > 0 && version != 2 && version != 4;
     scalar_t tau;
     Selected sel;
-    if (norms) {
-      sel = select_scope<scalar_t, true, true>(segs, total, n_pruned, k, op, "grads", tau);
-    } else if (any_wd) {
-      sel = select_scope<scalar_t, true, false>(segs, total, n_pruned, k, op, "grads", tau);
-    } else {
-      sel = select_scope<scalar_t, false, false>(segs, total, n_pruned, k, op, "grads", tau);
+    try {
+      if (norms) {
+        sel = select_scope<scalar_t, true, true>(segs, total, n_pruned, k, op, "grads", tau);
+      } else if (any_wd) {
+        sel = select_scope<scalar_t, true, false>(segs, total, n_pruned, k, op, "grads", tau);
+      } else {
+        sel = select_scope<scalar_t, false, false>(segs, total, n_pruned, k, op, "grads", tau);
+      }
+    } catch (const c10::ValueError&) {
+      if (!flagged) {
+        throw;  // the only ValueError of the selection: a non-finite gradient
+      }
+      found_nonfinite->fill_(1.0);
+      skipped = true;
+      return;
     }
     const double r = norms ? ratio(sel.g_r2, sel.x_m2) : 0.0;
     update_pass<scalar_t>(segs, total, tau, r, static_cast<int>(version));
   });
+  if (skipped) {
+    return;
+  }
   copy_back(xs, params);
   copy_back(sos, opt_sums);
   copy_back(sds, dec_sums);
