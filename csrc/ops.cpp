@@ -41,11 +41,14 @@ TORCH_LIBRARY(prunopt, m) {
   // radix select, = torch.kthvalue at rank n - k + 1 on the concatenation), and
   // one fused step over one selection scope. `hyper` is float64 (ntensors, 6):
   // [lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune] per tensor; `version`
-  // is 1..4, or 0 for "relevant_only"; `relevant` is the resolved T.
+  // is 1..4, or 0 for "relevant_only"; `relevant` is the resolved T. Without
+  // `found_nonfinite` a non-finite gradient raises on the CPU; with it (one
+  // float32 element on the params' device) the op sets it to 1 and writes
+  // nothing, and writes nothing when it is already non-zero (no host sync).
   m.def("topk_threshold(Tensor[] values, int k) -> Tensor");
   m.def(
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
-      "Tensor hyper, int relevant, int version) -> ()");
+      "Tensor hyper, int relevant, int version, Tensor(d!)? found_nonfinite=None) -> ()");
 
   // Differentiable sparsification (SPEC.md section 4) and two-temperature
   // architecture pruning (SPEC.md section 5). Kernels: csrc/cpu/{rgf_relu,

@@ -327,7 +327,7 @@ if extension_available():
         return values[0].new_empty(())
 
     @torch.library.register_fake("prunopt::prunadag_step_")
-    def _prunadag_step_fake(params, opt_sums, dec_sums, grads, hyper, relevant, version):
+    def _prunadag_step_fake(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite=None):
         return None
 
     @torch.library.register_fake("prunopt::rgf_relu")

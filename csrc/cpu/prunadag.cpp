@@ -1,30 +1,46 @@
 // prunAdag on the CPU (SPEC.md section 2): the exact global top-T threshold and
 // the fused step over one selection scope.
 //
-// Threshold: radix select on the key bits(|g|) (monotone for finite floats),
-// 16 bits per pass (float: 2 passes, double: 4), each pass a histogram per
-// fixed chunk of the concatenated index space, merged in integer counts, so
-// the result is exact and deterministic and nothing of size n is allocated.
-// The first pass also finds non-finite gradients: the step then raises
-// ValueError before anything is written.
+// Memory passes per step (float32, version 3; Adagrad makes 5 streams):
+//   1. sample: ~32K elements in 2048 cache-line blocks spread over the scope
+//      give a bracket [lo, hi] of keys |g| that holds tau with high probability;
+//   2. scan (reads g, x): counts |g| > hi, keeps lo <= |g| <= hi as a small
+//      list of candidates (effective g, x), and sums ||g||^2 over |g| > hi and
+//      ||x||^2 over {|g| < lo, x g > 0} in double; inf/NaN raise here, before
+//      anything is written;
+//   3. exact select of tau among the candidates (nth_element on their keys),
+//      then the candidates' share of ||g||_R and ||x||_M -> r;
+//   4. element pass (reads g, x, both sums; writes x, both sums).
+// That is 2 + 7 = 9 streams (floor ~1.8x Adagrad). If the bracket misses tau
+// (the sample was not representative) or the candidates exceed a fixed cap
+// (e.g. massive ties), the step falls back to an exact radix select on the
+// bit patterns of |g| (16 bits per pass) and a separate norms pass: the same
+// result, only slower. Either way tau is bit-exact with torch.kthvalue on the
+// concatenation, and nothing of size n is allocated.
 //
-// Step: radix passes -> tau; one reduction pass (||g||_R^2, ||x||_M^2 in
-// double, fixed lanes and chunks) -> r; one element pass that classifies and
-// updates x and both accumulators. The element and reduction passes use SSE2
-// packed arithmetic (branchless masks and blends: see cpu_math.h for why).
+// Work is cut into fixed chunks of the concatenated index space (independent
+// of the thread count, so every sum has a fixed order and results are
+// deterministic) and run with at::parallel_for over all tensors at once.
+// The scan and element passes are written once (prunadag_kernels.inc) over a
+// SIMD traits type, compiled for SSE2 and for AVX2+FMA, chosen at run time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PRUNOPT_PRUNADAG_X86 1
 #endif
 
+#include "prunopt/cpu_math.h"
 #include "prunopt/prunadag.h"
 #include "prunopt/tensor_list.h"
 
@@ -34,7 +50,14 @@ namespace {
 
 using namespace prunopt::prunadag;
 
-constexpr int64_t kGrain = 1 << 15;
+// Fixed work unit (elements of the concatenated index space).
+constexpr int64_t kChunk = 1 << 16;
+// Sample: kSampleBlocks blocks of kSampleLen contiguous elements (one cache
+// line of float32 each); below kSampleMin pruned elements every element is a
+// candidate instead.
+constexpr int64_t kSampleBlocks = 2048;
+constexpr int64_t kSampleLen = 16;
+constexpr int64_t kSampleMin = 1 << 16;
 
 struct Seg {
   void* x;
@@ -47,123 +70,95 @@ struct Seg {
   double h[kHyperCols];
 };
 
-int64_t num_chunks(int64_t total) {
-  const int64_t by_size = (total + kGrain - 1) / kGrain;
-  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_size));
+// Per-chunk result of the scan pass: cg holds the candidates' effective
+// gradients, cx their parameter values (when norms are needed).
+template <typename T>
+struct ScanOut {
+  int64_t above = 0;
+  int64_t ncand = 0;
+  double g2 = 0.0, x2 = 0.0;
+  bool bad = false;
+  std::vector<T> cg, cx;
+};
+
+// Left-packing permutations for the branch-free candidate stores: row m lists
+// the lanes set in mask m, for 8 x 32-bit lanes (f) and 4 x 64-bit lanes as
+// pairs of 32-bit lanes (d).
+struct CompressLut {
+  int32_t f[256][8];
+  int32_t d[16][8];
+  constexpr CompressLut() : f(), d() {
+    for (int m = 0; m < 256; ++m) {
+      int j = 0;
+      for (int l = 0; l < 8; ++l) {
+        if (m >> l & 1) {
+          f[m][j++] = l;
+        }
+      }
+    }
+    for (int m = 0; m < 16; ++m) {
+      int j = 0;
+      for (int l = 0; l < 4; ++l) {
+        if (m >> l & 1) {
+          d[m][j++] = 2 * l;
+          d[m][j++] = 2 * l + 1;
+        }
+      }
+    }
+  }
+};
+alignas(64) constexpr CompressLut kCompressLut{};
+
+// Scalar left-pack without branches: writes W slots, keeps popcount(mask).
+template <typename T, int W>
+inline void compress_scalar(T* dst, const T* lanes, int mask) {
+  int j = 0;
+  for (int l = 0; l < W; ++l) {
+    dst[j] = lanes[l];
+    j += (mask >> l) & 1;
+  }
 }
 
+int64_t num_chunks(int64_t total) {
+  return std::max<int64_t>(1, (total + kChunk - 1) / kChunk);
+}
+
+// Calls f(seg, b, e) for the pieces of the segments inside [begin, end).
 template <typename F>
 void for_each_piece(const std::vector<Seg>& segs, int64_t begin, int64_t end, F&& f) {
-  for (const auto& s : segs) {
-    const int64_t b = std::max(begin, s.offset);
-    const int64_t e = std::min(end, s.offset + s.n);
+  auto it = std::upper_bound(segs.begin(), segs.end(), begin,
+      [](int64_t v, const Seg& s) { return v < s.offset; });
+  if (it != segs.begin()) {
+    --it;
+  }
+  for (; it != segs.end() && it->offset < end; ++it) {
+    const int64_t b = std::max(begin, it->offset);
+    const int64_t e = std::min(end, it->offset + it->n);
     if (b < e) {
-      f(s, b - s.offset, e - s.offset);
+      f(*it, b - it->offset, e - it->offset);
     }
   }
 }
 
-// ---------------------------------------------------------------- selection
-
-// One histogram pass of digit [shift, shift + bits) over the keys whose higher
-// bits equal `prefix` (under `pmask`). Returns the merged counts; `bad` is set
-// if a key (pruned or not) is inf/nan.
-template <typename scalar_t, bool kWd>
-std::vector<int64_t> hist_pass(const std::vector<Seg>& segs, int64_t total, int shift, int bits,
-    typename KeyOf<scalar_t>::type prefix, typename KeyOf<scalar_t>::type pmask, bool check, bool& bad) {
-  using K = typename KeyOf<scalar_t>::type;
+// Runs body(chunk, begin, end) over the fixed chunks, in parallel.
+template <typename F>
+void for_each_chunk(int64_t total, F&& body) {
   const int64_t nchunks = num_chunks(total);
-  const int64_t nbins = int64_t(1) << bits;
-  const K dmask = static_cast<K>(nbins - 1);
-  std::vector<std::vector<uint32_t>> hists(nchunks);
-  std::vector<char> bads(nchunks, 0);
   at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
-      hists[ch].assign(nbins, 0u);
-      uint32_t* hist = hists[ch].data();
-      K worst = 0;
-      for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
-          [&](const Seg& s, int64_t b, int64_t e) {
-        const scalar_t* gp = static_cast<const scalar_t*>(s.g);
-        const scalar_t* xp = static_cast<const scalar_t*>(s.x);
-        const scalar_t wd = static_cast<scalar_t>(s.h[kWeightDecay]);
-        if (!s.prune) {
-          if (check) {
-            for (int64_t i = b; i < e; ++i) {
-              const K key = magnitude_key<scalar_t>(kWd ? gp[i] + wd * xp[i] : gp[i]);
-              worst = std::max(worst, key);
-            }
-          }
-          return;
-        }
-        if (pmask == 0) {
-          for (int64_t i = b; i < e; ++i) {
-            const K key = magnitude_key<scalar_t>(kWd ? gp[i] + wd * xp[i] : gp[i]);
-            worst = std::max(worst, key);
-            hist[(key >> shift) & dmask]++;
-          }
-        } else {
-          for (int64_t i = b; i < e; ++i) {
-            const K key = magnitude_key<scalar_t>(kWd ? gp[i] + wd * xp[i] : gp[i]);
-            if ((key & pmask) == prefix) {
-              hist[(key >> shift) & dmask]++;
-            }
-          }
-        }
-      });
-      bads[ch] = worst >= KeyOf<scalar_t>::kInf;
+      body(ch, ch * kChunk, std::min(total, (ch + 1) * kChunk));
     }
   });
-  std::vector<int64_t> out(nbins, 0);
-  for (int64_t ch = 0; ch < nchunks; ++ch) {
-    bad |= bads[ch] != 0;
-    for (int64_t j = 0; j < nbins; ++j) {
-      out[j] += hists[ch][j];
-    }
-  }
-  return out;
 }
 
-// The k-th largest key among the pruned elements (1 <= k <= n). Raises
-// ValueError (nothing written yet) if a gradient is not finite.
-template <typename scalar_t, bool kWd>
-scalar_t select_threshold(const std::vector<Seg>& segs, int64_t total, int64_t k, const char* op, const char* what) {
-  using K = typename KeyOf<scalar_t>::type;
-  K prefix = 0, pmask = 0;
-  int bits_left = KeyOf<scalar_t>::kBits;
-  bool first = true;
-  while (bits_left > 0) {
-    const int bits = digit_bits(bits_left);
-    const int shift = bits_left - bits;
-    bool bad = false;
-    const std::vector<int64_t> hist = hist_pass<scalar_t, kWd>(segs, total, shift, bits, prefix, pmask, first, bad);
-    TORCH_CHECK_VALUE(!bad, op, ": ", what, " contain a non-finite value; nothing was updated");
-    if (k <= 0) {
-      return scalar_t(0);  // check-only pass (T >= n): every element is relevant
-    }
-    int64_t above = 0;
-    int64_t j = static_cast<int64_t>(hist.size()) - 1;
-    for (; j > 0; --j) {
-      if (above + hist[j] >= k) {
-        break;
-      }
-      above += hist[j];
-    }
-    k -= above;
-    prefix |= static_cast<K>(j) << shift;
-    pmask |= static_cast<K>((int64_t(1) << bits) - 1) << shift;
-    bits_left = shift;
-    first = false;
-  }
-  return value_of_key<scalar_t>(prefix);
-}
+// ---------------------------------------------------------------- SIMD kernels
 
-// ---------------------------------------------------------------- SIMD traits
-
-#if defined(__SSE2__)
+#if defined(PRUNOPT_PRUNADAG_X86)
+namespace sse2 {
 struct SimdF {
   using T = float;
   using V = __m128;
+  using Acc = __m128d;
   static constexpr int W = 4;
   static V load(const float* p) { return _mm_loadu_ps(p); }
   static void store(float* p, V v) { _mm_storeu_ps(p, v); }
@@ -177,23 +172,40 @@ struct SimdF {
   static V min(V a, V b) { return _mm_min_ps(a, b); }
   static V ge(V a, V b) { return _mm_cmpge_ps(a, b); }
   static V gt(V a, V b) { return _mm_cmpgt_ps(a, b); }
+  static V lt(V a, V b) { return _mm_cmplt_ps(a, b); }
   static V le(V a, V b) { return _mm_cmple_ps(a, b); }
+  static V nlt(V a, V b) { return _mm_cmpnlt_ps(a, b); }
   static V and_(V a, V b) { return _mm_and_ps(a, b); }
   static V or_(V a, V b) { return _mm_or_ps(a, b); }
   static V andnot(V a, V b) { return _mm_andnot_ps(a, b); }  // ~a & b
-  static V xor_(V a, V b) { return _mm_xor_ps(a, b); }
+  static V blend(V m, V a, V b) { return _mm_or_ps(_mm_and_ps(m, a), _mm_andnot_ps(m, b)); }
   static V signbit() { return _mm_set1_ps(-0.0f); }
   static V ones() { return _mm_castsi128_ps(_mm_set1_epi32(-1)); }
-  // lo/hi += v^2 in double
-  static void acc_sq(__m128d& lo, __m128d& hi, V v) {
+  static int movemask(V a) { return _mm_movemask_ps(a); }
+  static void compress_store(float* dst, V v, int mask) {
+    alignas(16) float t[4];
+    _mm_store_ps(t, v);
+    compress_scalar<float, 4>(dst, t, mask);
+  }
+  static Acc acc_zero() { return _mm_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm_add_ps(acc, _mm_mul_ps(v, v)); }
+  static void acc_add(Acc& acc, V v) {
+    acc = _mm_add_pd(acc, _mm_add_pd(_mm_cvtps_pd(v), _mm_cvtps_pd(_mm_movehl_ps(v, v))));
+  }
+  static void acc_sq(Acc& acc, V v) {
     const __m128d l = _mm_cvtps_pd(v), h = _mm_cvtps_pd(_mm_movehl_ps(v, v));
-    lo = _mm_add_pd(lo, _mm_mul_pd(l, l));
-    hi = _mm_add_pd(hi, _mm_mul_pd(h, h));
+    acc = _mm_add_pd(acc, _mm_add_pd(_mm_mul_pd(l, l), _mm_mul_pd(h, h)));
+  }
+  static double acc_sum(Acc a) {
+    double t[2];
+    _mm_storeu_pd(t, a);
+    return t[0] + t[1];
   }
 };
 struct SimdD {
   using T = double;
   using V = __m128d;
+  using Acc = __m128d;
   static constexpr int W = 2;
   static V load(const double* p) { return _mm_loadu_pd(p); }
   static void store(double* p, V v) { _mm_storeu_pd(p, v); }
@@ -207,16 +219,29 @@ struct SimdD {
   static V min(V a, V b) { return _mm_min_pd(a, b); }
   static V ge(V a, V b) { return _mm_cmpge_pd(a, b); }
   static V gt(V a, V b) { return _mm_cmpgt_pd(a, b); }
+  static V lt(V a, V b) { return _mm_cmplt_pd(a, b); }
   static V le(V a, V b) { return _mm_cmple_pd(a, b); }
+  static V nlt(V a, V b) { return _mm_cmpnlt_pd(a, b); }
   static V and_(V a, V b) { return _mm_and_pd(a, b); }
   static V or_(V a, V b) { return _mm_or_pd(a, b); }
   static V andnot(V a, V b) { return _mm_andnot_pd(a, b); }
-  static V xor_(V a, V b) { return _mm_xor_pd(a, b); }
+  static V blend(V m, V a, V b) { return _mm_or_pd(_mm_and_pd(m, a), _mm_andnot_pd(m, b)); }
   static V signbit() { return _mm_set1_pd(-0.0); }
   static V ones() { return _mm_castsi128_pd(_mm_set1_epi32(-1)); }
-  static void acc_sq(__m128d& lo, __m128d& hi, V v) {
-    (void)hi;
-    lo = _mm_add_pd(lo, _mm_mul_pd(v, v));
+  static int movemask(V a) { return _mm_movemask_pd(a); }
+  static void compress_store(double* dst, V v, int mask) {
+    alignas(16) double t[2];
+    _mm_store_pd(t, v);
+    compress_scalar<double, 2>(dst, t, mask);
+  }
+  static Acc acc_zero() { return _mm_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm_add_pd(acc, _mm_mul_pd(v, v)); }
+  static void acc_add(Acc& acc, V v) { acc = _mm_add_pd(acc, v); }
+  static void acc_sq(Acc& acc, V v) { acc = _mm_add_pd(acc, _mm_mul_pd(v, v)); }
+  static double acc_sum(Acc a) {
+    double t[2];
+    _mm_storeu_pd(t, a);
+    return t[0] + t[1];
   }
 };
 template <typename T>
@@ -225,138 +250,520 @@ template <>
 struct SimdOf<float> { using type = SimdF; };
 template <>
 struct SimdOf<double> { using type = SimdD; };
-#endif
+#include "prunadag_kernels.inc"
+}  // namespace sse2
 
-// ---------------------------------------------------------------- reductions
-
-struct Norms {
-  double g_r2 = 0, x_m2 = 0;
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,popcnt,bmi")
+namespace avx2 {
+struct SimdF {
+  using T = float;
+  using V = __m256;
+  using Acc = __m256d;
+  static constexpr int W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V ge(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+  static V gt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static V lt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static V le(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  static V nlt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); }
+  static V and_(V a, V b) { return _mm256_and_ps(a, b); }
+  static V or_(V a, V b) { return _mm256_or_ps(a, b); }
+  static V andnot(V a, V b) { return _mm256_andnot_ps(a, b); }
+  static V blend(V m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
+  static V signbit() { return _mm256_set1_ps(-0.0f); }
+  static V ones() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+  static int movemask(V a) { return _mm256_movemask_ps(a); }
+  static void compress_store(float* dst, V v, int mask) {
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.f[mask]));
+    _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, perm));
+  }
+  static Acc acc_zero() { return _mm256_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm256_fmadd_ps(v, v, acc); }
+  static void acc_add(Acc& acc, V v) {
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
+        _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+  }
+  static void acc_sq(Acc& acc, V v) {
+    const __m256d l = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), h = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    acc = _mm256_fmadd_pd(l, l, acc);
+    acc = _mm256_fmadd_pd(h, h, acc);
+  }
+  static double acc_sum(Acc a) {
+    double t[4];
+    _mm256_storeu_pd(t, a);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+  }
 };
+struct SimdD {
+  using T = double;
+  using V = __m256d;
+  using Acc = __m256d;
+  static constexpr int W = 4;
+  static V load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
+  static V set1(double v) { return _mm256_set1_pd(v); }
+  static V zero() { return _mm256_setzero_pd(); }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm256_div_pd(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_pd(a); }
+  static V min(V a, V b) { return _mm256_min_pd(a, b); }
+  static V ge(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_GE_OQ); }
+  static V gt(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
+  static V lt(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_LT_OQ); }
+  static V le(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_LE_OQ); }
+  static V nlt(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_NLT_UQ); }
+  static V and_(V a, V b) { return _mm256_and_pd(a, b); }
+  static V or_(V a, V b) { return _mm256_or_pd(a, b); }
+  static V andnot(V a, V b) { return _mm256_andnot_pd(a, b); }
+  static V blend(V m, V a, V b) { return _mm256_blendv_pd(b, a, m); }
+  static V signbit() { return _mm256_set1_pd(-0.0); }
+  static V ones() { return _mm256_castsi256_pd(_mm256_set1_epi32(-1)); }
+  static int movemask(V a) { return _mm256_movemask_pd(a); }
+  static void compress_store(double* dst, V v, int mask) {
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.d[mask]));
+    _mm256_storeu_pd(dst, _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm)));
+  }
+  static Acc acc_zero() { return _mm256_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm256_fmadd_pd(v, v, acc); }
+  static void acc_add(Acc& acc, V v) { acc = _mm256_add_pd(acc, v); }
+  static void acc_sq(Acc& acc, V v) { acc = _mm256_fmadd_pd(v, v, acc); }
+  static double acc_sum(Acc a) {
+    double t[4];
+    _mm256_storeu_pd(t, a);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+  }
+};
+template <typename T>
+struct SimdOf;
+template <>
+struct SimdOf<float> { using type = SimdF; };
+template <>
+struct SimdOf<double> { using type = SimdD; };
+#include "prunadag_kernels.inc"
+}  // namespace avx2
+#pragma GCC pop_options
 
-// ||g||_R^2 and ||x||_M^2 over the pruned elements of one chunk range.
-template <typename scalar_t>
-Norms norms_range(const Seg& s, int64_t b, int64_t e, scalar_t tau) {
-  const scalar_t* xp = static_cast<const scalar_t*>(s.x);
-  const scalar_t* gp = static_cast<const scalar_t*>(s.g);
-  const scalar_t wd = static_cast<scalar_t>(s.h[kWeightDecay]);
-  const scalar_t sgn = s.h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
-  Norms out;
-  int64_t i = b;
-#if defined(__SSE2__)
-  using S = typename SimdOf<scalar_t>::type;
-  using V = typename S::V;
-  __m128d gr_lo = _mm_setzero_pd(), gr_hi = _mm_setzero_pd(), xm_lo = _mm_setzero_pd(), xm_hi = _mm_setzero_pd();
-  const V vwd = S::set1(wd), vsgn = S::set1(sgn), vtau = S::set1(tau), sb = S::signbit(), z = S::zero();
-  for (; i + S::W <= e; i += S::W) {
-    const V x = S::load(xp + i);
-    const V g = S::mul(S::add(S::load(gp + i), S::mul(vwd, x)), vsgn);
-    const V rel = S::ge(S::andnot(sb, g), vtau);
-    const V m = S::andnot(rel, S::gt(S::mul(x, g), z));
-    S::acc_sq(gr_lo, gr_hi, S::and_(rel, g));
-    S::acc_sq(xm_lo, xm_hi, S::and_(m, x));
-  }
-  double tmp[2];
-  _mm_storeu_pd(tmp, _mm_add_pd(gr_lo, gr_hi));
-  out.g_r2 = tmp[0] + tmp[1];
-  _mm_storeu_pd(tmp, _mm_add_pd(xm_lo, xm_hi));
-  out.x_m2 = tmp[0] + tmp[1];
-#endif
-  for (; i < e; ++i) {
-    const scalar_t x = xp[i];
-    const scalar_t g = effective_grad<scalar_t>(x, gp[i], wd, sgn);
-    const bool rel = std::abs(g) >= tau;
-    const double gd = g, xd = x;
-    out.g_r2 += rel ? gd * gd : 0.0;
-    out.x_m2 += (!rel && x * g > scalar_t(0)) ? xd * xd : 0.0;
-  }
-  return out;
+bool use_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
 }
 
-template <typename scalar_t>
-Norms norms_pass(const std::vector<Seg>& segs, int64_t total, scalar_t tau) {
-  const int64_t nchunks = num_chunks(total);
-  std::vector<Norms> parts(nchunks);
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t ch = cb; ch < ce; ++ch) {
-      Norms acc;
-      for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
-          [&](const Seg& s, int64_t b, int64_t e) {
-        if (s.prune) {
-          const Norms p = norms_range<scalar_t>(s, b, e, tau);
-          acc.g_r2 += p.g_r2;
-          acc.x_m2 += p.x_m2;
-        }
-      });
-      parts[ch] = acc;
-    }
-  });
-  Norms out;
-  for (const auto& p : parts) {
-    out.g_r2 += p.g_r2;
-    out.x_m2 += p.x_m2;
+template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
+void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
+    scalar_t* cg, scalar_t* cx) {
+  if (use_avx2()) {
+    avx2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
+  } else {
+    sse2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
   }
-  return out;
 }
-
-// ---------------------------------------------------------------- element pass
 
 template <typename scalar_t>
 void update_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
-  scalar_t* xp = static_cast<scalar_t*>(s.x);
-  scalar_t* sop = static_cast<scalar_t*>(s.so);
-  scalar_t* sdp = static_cast<scalar_t*>(s.sd);
-  const scalar_t* gp = static_cast<const scalar_t*>(s.g);
-  const scalar_t wd = static_cast<scalar_t>(s.h[kWeightDecay]);
-  const scalar_t sgn = s.h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
-  const scalar_t tau_eff = s.prune ? tau : scalar_t(-1);
-  const scalar_t lr = static_cast<scalar_t>(s.h[kLrK]);
-  const scalar_t nlr = static_cast<scalar_t>(-s.h[kLrK]);
-  const scalar_t a_scale = static_cast<scalar_t>(s.h[kLrK1] * a_factor(version, r));
-  const scalar_t eps = static_cast<scalar_t>(s.h[kEps]);
-  int64_t i = b;
-#if defined(__SSE2__)
-  using S = typename SimdOf<scalar_t>::type;
-  using V = typename S::V;
-  const V vwd = S::set1(wd), vsgn = S::set1(sgn), vtau = S::set1(tau_eff), vlr = S::set1(lr), vnlr = S::set1(nlr);
-  const V vas = S::set1(a_scale), veps = S::set1(eps), sb = S::signbit(), z = S::zero();
-  const V use_acc = version != 0 ? S::ones() : z;
-  const V use_b = version >= 3 ? S::ones() : z;
-  for (; i + S::W <= e; i += S::W) {
-    const V x = S::load(xp + i), so = S::load(sop + i), sd = S::load(sdp + i);
-    const V g = S::mul(S::add(S::load(gp + i), S::mul(vwd, x)), vsgn);
-    const V rel = S::ge(S::andnot(sb, g), vtau);                              // eq. 2.6
-    const V so_new = S::add(so, S::mul(g, g));                                // eq. 2.7
-    const V st = S::div(S::mul(g, vnlr), S::add(S::sqrt(so_new), veps));     // eq. 2.9
-    const V ax = S::andnot(sb, x);
-    const V m = S::andnot(rel, S::gt(S::mul(x, g), z));
-    const V a = S::mul(ax, vas);                                              // Table 1
-    const V as = S::andnot(sb, st);
-    const V bound_ok = S::or_(S::andnot(use_b, S::ones()), S::le(as, ax));
-    const V acc = S::and_(S::and_(use_acc, m), S::and_(S::le(a, as), bound_ok));  // eq. 2.8
-    const V opt = S::or_(rel, acc);                                           // eq. 2.4
-    const V sd_new = S::add(sd, S::mul(x, x));                                // eq. 2.10
-    const V sl = S::div(S::mul(ax, vlr), S::add(S::sqrt(sd_new), veps));
-    const V dec = S::and_(m, S::min(sl, a));                                  // eq. 2.16
-    const V xd = S::sub(x, S::or_(dec, S::and_(sb, x)));                      // x - copysign(dec, x)
-    S::store(xp + i, S::or_(S::and_(opt, S::add(x, st)), S::andnot(opt, xd)));
-    S::store(sop + i, S::or_(S::and_(opt, so_new), S::andnot(opt, so)));      // eq. 2.11
-    S::store(sdp + i, S::or_(S::and_(opt, sd), S::andnot(opt, sd_new)));
+  if (use_avx2()) {
+    avx2::update_range<scalar_t>(s, b, e, tau, r, version);
+  } else {
+    sse2::update_range<scalar_t>(s, b, e, tau, r, version);
   }
+}
+#else
+namespace generic {
+#define PRUNOPT_PRUNADAG_SCALAR_ONLY 1
+#include "prunadag_kernels.inc"
+#undef PRUNOPT_PRUNADAG_SCALAR_ONLY
+}  // namespace generic
+template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
+void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
+    scalar_t* cg, scalar_t* cx) {
+  generic::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
+}
+using generic::update_range;
 #endif
-  for (; i < e; ++i) {
-    const scalar_t g = effective_grad<scalar_t>(xp[i], gp[i], wd, sgn);
-    update_one<scalar_t>(xp[i], sop[i], sdp[i], g, tau_eff, nlr, lr, a_scale, eps, version);
+
+// The scan of one piece, specialised on the segment's weight decay (needs kX)
+// and maximize.
+template <typename scalar_t, bool kX, bool kNorms>
+void scan_range(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
+    scalar_t* cg, scalar_t* cx) {
+  const bool neg = s.h[kMaximize] != 0.0;
+  if (kX && s.h[kWeightDecay] != 0.0) {
+    return neg ? scan_range_isa<scalar_t, kX, kNorms, kX, true>(s, b, e, lo, hi, out, cg, cx)
+               : scan_range_isa<scalar_t, kX, kNorms, kX, false>(s, b, e, lo, hi, out, cg, cx);
   }
+  return neg ? scan_range_isa<scalar_t, kX, kNorms, false, true>(s, b, e, lo, hi, out, cg, cx)
+             : scan_range_isa<scalar_t, kX, kNorms, false, false>(s, b, e, lo, hi, out, cg, cx);
+}
+
+template <typename scalar_t>
+void norms_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double& g_r2, double& x_m2) {
+#if defined(PRUNOPT_PRUNADAG_X86)
+  if (use_avx2()) {
+    return avx2::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
+  }
+  return sse2::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
+#else
+  return generic::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
+#endif
+}
+
+// ---------------------------------------------------------------- exact radix select (fallback)
+
+// Histogram chunks: one per thread (a 2^16-bin histogram each); the counts
+// are integers, so the merged histogram does not depend on the split.
+int64_t hist_chunks(int64_t total) {
+  const int64_t by_size = (total + kChunk - 1) / kChunk;
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_size));
+}
+
+// One histogram pass of digit [shift, shift + bits) over the pruned keys whose
+// higher bits equal `prefix` (under `pmask`).
+template <typename scalar_t, bool kWd>
+std::vector<int64_t> hist_pass(const std::vector<Seg>& segs, int64_t total, int shift, int bits,
+    typename KeyOf<scalar_t>::type prefix, typename KeyOf<scalar_t>::type pmask) {
+  using K = typename KeyOf<scalar_t>::type;
+  const int64_t nchunks = hist_chunks(total);
+  const int64_t nbins = int64_t(1) << bits;
+  const K dmask = static_cast<K>(nbins - 1);
+  std::vector<std::vector<uint32_t>> hists(nchunks);
+  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      hists[ch].assign(nbins, 0u);
+      uint32_t* hist = hists[ch].data();
+      for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
+          [&](const Seg& s, int64_t b, int64_t e) {
+        if (!s.prune) {
+          return;
+        }
+        const scalar_t* gp = static_cast<const scalar_t*>(s.g);
+        const scalar_t* xp = static_cast<const scalar_t*>(s.x);
+        const scalar_t wd = static_cast<scalar_t>(s.h[kWeightDecay]);
+        for (int64_t i = b; i < e; ++i) {
+          const K key = magnitude_key<scalar_t>(kWd ? gp[i] + wd * xp[i] : gp[i]);
+          hist[(key >> shift) & dmask] += (key & pmask) == prefix;
+        }
+      });
+    }
+  });
+  std::vector<int64_t> out(nbins, 0);
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    for (int64_t j = 0; j < nbins; ++j) {
+      out[j] += hists[ch][j];
+    }
+  }
+  return out;
+}
+
+// The k-th largest key among the pruned elements (1 <= k <= n), all finite.
+template <typename scalar_t, bool kWd>
+scalar_t radix_select(const std::vector<Seg>& segs, int64_t total, int64_t k) {
+  using K = typename KeyOf<scalar_t>::type;
+  K prefix = 0, pmask = 0;
+  int bits_left = KeyOf<scalar_t>::kBits;
+  while (bits_left > 0) {
+    const int bits = digit_bits(bits_left);
+    const int shift = bits_left - bits;
+    const std::vector<int64_t> hist = hist_pass<scalar_t, kWd>(segs, total, shift, bits, prefix, pmask);
+    int64_t above = 0;
+    int64_t j = static_cast<int64_t>(hist.size()) - 1;
+    for (; j > 0; --j) {
+      if (above + hist[j] >= k) {
+        break;
+      }
+      above += hist[j];
+    }
+    k -= above;
+    prefix |= static_cast<K>(j) << shift;
+    pmask |= static_cast<K>((int64_t(1) << bits) - 1) << shift;
+    bits_left = shift;
+  }
+  return value_of_key<scalar_t>(prefix);
+}
+
+// ---------------------------------------------------------------- sampled select
+
+// Whether the fast sampled selection may be used (PRUNOPT_PRUNADAG_SELECT=radix
+// forces the exact fallback, for tests and comparisons).
+bool sampling_enabled() {
+  const char* v = std::getenv("PRUNOPT_PRUNADAG_SELECT");
+  return v == nullptr || std::strcmp(v, "radix") != 0;
+}
+
+// Effective |g| of global element i (which lies in segment s at local j).
+template <typename scalar_t>
+scalar_t abs_effective(const Seg& s, int64_t j, bool with_x) {
+  const scalar_t g = static_cast<const scalar_t*>(s.g)[j];
+  if (!with_x) {
+    return std::abs(g);
+  }
+  const scalar_t x = static_cast<const scalar_t*>(s.x)[j];
+  return std::abs(g + static_cast<scalar_t>(s.h[kWeightDecay]) * x);
+}
+
+// A bracket [lo, hi] of |g| values that holds the k-th largest of the n pruned
+// elements with high probability: kSampleBlocks blocks of kSampleLen
+// contiguous elements spread evenly over the index space; the sample's order
+// statistics at rank k/n * s -/+ 4.5 binomial standard deviations + 8 (a
+// miss only costs the exact fallback). For small n, [0, inf]: every element
+// is a candidate. Returns the expected number of candidates (for the cap).
+template <typename scalar_t>
+int64_t sample_bracket(const std::vector<Seg>& segs, int64_t total, int64_t n, int64_t k, bool with_x,
+    scalar_t& lo, scalar_t& hi) {
+  constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  lo = scalar_t(0);
+  hi = inf;
+  if (n < kSampleMin) {
+    return n;
+  }
+  // Locate the blocks and prefetch them all first: the gather is then not a
+  // chain of ~2 * kSampleBlocks dependent cache misses.
+  struct Piece {
+    const Seg* s;
+    int64_t b, e;
+  };
+  std::vector<Piece> pieces;
+  pieces.reserve(kSampleBlocks + 16);
+  for (int64_t blk = 0; blk < kSampleBlocks; ++blk) {
+    const int64_t start = blk * (total - kSampleLen) / (kSampleBlocks - 1);
+    for_each_piece(segs, start, std::min(total, start + kSampleLen), [&](const Seg& s, int64_t b, int64_t e) {
+      if (s.prune) {
+        pieces.push_back(Piece{&s, b, e});
+        const scalar_t* g = static_cast<const scalar_t*>(s.g);
+        __builtin_prefetch(g + b);
+        __builtin_prefetch(g + e - 1);
+        if (with_x) {
+          const scalar_t* x = static_cast<const scalar_t*>(s.x);
+          __builtin_prefetch(x + b);
+          __builtin_prefetch(x + e - 1);
+        }
+      }
+    });
+  }
+  std::vector<scalar_t> sample;
+  sample.reserve(kSampleBlocks * kSampleLen);
+  for (const Piece& p : pieces) {
+    for (int64_t j = p.b; j < p.e; ++j) {
+      const scalar_t a = abs_effective<scalar_t>(*p.s, j, with_x);
+      if (a < inf) {  // inf/NaN are found (and rejected) by the scan
+        sample.push_back(a);
+      }
+    }
+  }
+  const int64_t ns = static_cast<int64_t>(sample.size());
+  if (ns < 64) {
+    return n;  // mostly non-pruned tensors at the sample points: no bracket
+  }
+  const double q = static_cast<double>(k) / static_cast<double>(n);  // fraction above tau
+  const double mu = q * ns;
+  const double d = 4.5 * std::sqrt(std::max(mu * (1.0 - q), 1.0)) + 8.0;
+  // ranks counted from the top (0 = the largest sample)
+  const int64_t r_hi = static_cast<int64_t>(std::floor(mu - d));
+  const int64_t r_lo = static_cast<int64_t>(std::ceil(mu + d));
+  // Ascending positions; the second nth_element works above the first.
+  int64_t from = 0;
+  if (r_lo < ns) {
+    from = ns - 1 - r_lo;
+    std::nth_element(sample.begin(), sample.begin() + from, sample.end());
+    lo = sample[from];
+  }
+  if (r_hi >= 0) {
+    const int64_t p = ns - 1 - r_hi;
+    std::nth_element(sample.begin() + from, sample.begin() + p, sample.end());
+    hi = sample[p];
+  }
+  const double frac = std::min(1.0, (std::min<double>(r_lo, ns) - std::max<double>(r_hi, 0)) / ns);
+  return static_cast<int64_t>(frac * static_cast<double>(n)) + 1;
+}
+
+// Result of the selection: tau and (when asked) the squared norms.
+struct Selected {
+  double g_r2 = 0.0, x_m2 = 0.0;
+  bool ok = false;   // false: bracket missed or too many candidates (use the fallback)
+};
+
+// Scratch buffers of one thread for a chunk's candidates (reused, never
+// initialised: the scan writes before it reads).
+template <typename T>
+T* scratch(int slot, int64_t size) {
+  thread_local std::vector<T> bufs[2];
+  if (static_cast<int64_t>(bufs[slot].size()) < size) {
+    bufs[slot].resize(size);
+  }
+  return bufs[slot].data();
+}
+
+// The r-th largest (r >= 1) of the candidate keys, all in [klo, khi]: a
+// 4096-bin histogram over the key range, then nth_element inside one bin.
+template <typename K, typename T>
+K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64_t r) {
+  const uint64_t span = static_cast<uint64_t>(khi) - static_cast<uint64_t>(klo);
+  int shift = 0;
+  while ((span >> shift) >= 4096) {
+    ++shift;
+  }
+  const int64_t nbins = static_cast<int64_t>(span >> shift) + 1;
+  std::vector<int64_t> hist(nbins, 0);
+  for (const auto& o : outs) {
+    for (int64_t j = 0; j < o.ncand; ++j) {
+      ++hist[(magnitude_key<T>(o.cg[j]) - klo) >> shift];
+    }
+  }
+  int64_t bin = nbins - 1, above = 0;
+  for (; bin > 0 && above + hist[bin] < r; --bin) {
+    above += hist[bin];
+  }
+  std::vector<K> keys;
+  keys.reserve(hist[bin]);
+  for (const auto& o : outs) {
+    for (int64_t j = 0; j < o.ncand; ++j) {
+      const K key = magnitude_key<T>(o.cg[j]);
+      if (static_cast<int64_t>((key - klo) >> shift) == bin) {
+        keys.push_back(key);
+      }
+    }
+  }
+  const int64_t pos = static_cast<int64_t>(keys.size()) - (r - above);  // ascending position
+  std::nth_element(keys.begin(), keys.begin() + pos, keys.end());
+  return keys[pos];
+}
+
+// Scan + exact select among the candidates. kNorms: also ||g||_R^2 and
+// ||x||_M^2. Raises ValueError (nothing written) on a non-finite gradient.
+template <typename scalar_t, bool kX, bool kNorms>
+Selected sampled_select(const std::vector<Seg>& segs, int64_t total, int64_t n, int64_t k, const char* op,
+    const char* what, scalar_t& tau) {
+  using K = typename KeyOf<scalar_t>::type;
+  constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
+  scalar_t lo = inf, hi = inf;  // k <= 0: no candidates, finiteness only
+  const int64_t expected = k > 0 ? sample_bracket<scalar_t>(segs, total, n, k, kX, lo, hi) : 0;
+  // Cap on the kept candidates: 4x the expectation (small n: all of them).
+  const int64_t cap = n < kSampleMin ? n : std::max<int64_t>(4 * expected, kChunk);
+  const int64_t nchunks = num_chunks(total);
+  std::vector<ScanOut<scalar_t>> outs(nchunks);
+  std::atomic<int64_t> kept{0};
+  std::atomic<bool> overflow{false};
+  for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
+    ScanOut<scalar_t>& out = outs[ch];
+    scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
+    scalar_t* cx = kNorms ? scratch<scalar_t>(1, end - begin + kPad) : nullptr;
+    for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
+      if (s.prune) {
+        scan_range<scalar_t, kX, kNorms>(s, b, e, lo, hi, out, cg, cx);
+      } else {
+        ScanOut<scalar_t> check;  // finiteness only: everything is "below" +inf
+        scan_range<scalar_t, kX, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
+        out.bad |= check.bad;
+      }
+    });
+    if (kept.fetch_add(out.ncand) + out.ncand > cap) {
+      overflow = true;
+    }
+    if (!overflow && out.ncand > 0) {
+      out.cg.assign(cg, cg + out.ncand);
+      if (kNorms) {
+        out.cx.assign(cx, cx + out.ncand);
+      }
+    }
+  });
+  Selected res;
+  int64_t above = 0, ncand = 0;
+  bool bad = false;
+  for (const auto& o : outs) {
+    above += o.above;
+    ncand += o.ncand;
+    bad |= o.bad;
+  }
+  TORCH_CHECK_VALUE(!bad, op, ": ", what, " contain a non-finite value; nothing was updated");
+  if (k <= 0) {
+    res.ok = true;  // check only (T >= n: every element is relevant)
+    return res;
+  }
+  if (overflow || above >= k || above + ncand < k) {
+    return res;
+  }
+  const K tkey = kth_largest_candidate<K, scalar_t>(outs, magnitude_key<scalar_t>(lo),
+      magnitude_key<scalar_t>(hi), k - above);
+  tau = value_of_key<scalar_t>(tkey);
+  if constexpr (kNorms) {
+    // The candidates' share, per chunk in parallel, then summed in chunk order.
+    std::vector<double> cg2(nchunks, 0.0), cx2(nchunks, 0.0);
+    at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t ch = cb; ch < ce; ++ch) {
+        const auto& o = outs[ch];
+        double sg = 0.0, sx = 0.0;
+        for (int64_t j = 0; j < o.ncand; ++j) {  // branch-free (cpu_math.h): the split is ~50/50
+          const scalar_t g = o.cg[j], x = o.cx[j];
+          // key >= tkey without a compare GCC would turn into a branch (keys < 2^(bits-1))
+          const K diff = magnitude_key<scalar_t>(g) - tkey;
+          const double rel = static_cast<double>(1 - static_cast<int>(diff >> (8 * sizeof(K) - 1)));
+          sg += rel * (double(g) * double(g));
+          sx += cpu_math::select_lt(0.0, static_cast<double>(x * g), (1.0 - rel) * (double(x) * double(x)));
+        }
+        cg2[ch] = sg;
+        cx2[ch] = sx;
+      }
+    });
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      res.g_r2 += outs[ch].g2 + cg2[ch];
+      res.x_m2 += outs[ch].x2 + cx2[ch];
+    }
+  }
+  res.ok = true;
+  return res;
+}
+
+// tau (and the norms with kNorms) for one scope: sampled select, or the exact
+// radix select + norms pass when the sample's bracket missed.
+template <typename scalar_t, bool kX, bool kNorms>
+Selected select_scope(const std::vector<Seg>& segs, int64_t total, int64_t n, int64_t k, const char* op,
+    const char* what, scalar_t& tau) {
+  tau = scalar_t(0);
+  if (k <= 0 || sampling_enabled()) {
+    const Selected s = sampled_select<scalar_t, kX, kNorms>(segs, total, n, k, op, what, tau);
+    if (s.ok) {
+      return s;
+    }
+  } else {
+    sampled_select<scalar_t, kX, false>(segs, total, n, 0, op, what, tau);  // finiteness check only
+  }
+  Selected res;
+  tau = radix_select<scalar_t, kX>(segs, total, k);
+  if constexpr (kNorms) {
+    const int64_t nchunks = num_chunks(total);
+    std::vector<double> gr(nchunks, 0.0), xm(nchunks, 0.0);
+    for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
+      for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
+        if (s.prune) {
+          norms_range<scalar_t>(s, b, e, tau, gr[ch], xm[ch]);
+        }
+      });
+    });
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      res.g_r2 += gr[ch];
+      res.x_m2 += xm[ch];
+    }
+  }
+  res.ok = true;
+  return res;
 }
 
 template <typename scalar_t>
 void update_pass(const std::vector<Seg>& segs, int64_t total, scalar_t tau, double r, int version) {
-  const int64_t nchunks = num_chunks(total);
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t ch = cb; ch < ce; ++ch) {
-      for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
-          [&](const Seg& s, int64_t b, int64_t e) { update_range<scalar_t>(s, b, e, tau, r, version); });
-    }
+  for_each_chunk(total, [&](int64_t, int64_t begin, int64_t end) {
+    for_each_piece(segs, begin, end,
+        [&](const Seg& s, int64_t b, int64_t e) { update_range<scalar_t>(s, b, e, tau, r, version); });
   });
 }
 
@@ -398,16 +805,28 @@ at::Tensor topk_threshold_cpu(at::TensorList values, int64_t k) {
   }
   TORCH_CHECK_VALUE(k >= 1 && k <= total, op, ": k must be in [1, n=", total, "], got ", k);
   return AT_DISPATCH_FLOATING_TYPES(v0.scalar_type(), "topk_threshold", [&] {
-    const scalar_t tau = select_threshold<scalar_t, false>(segs, total, k, op, "values");
+    scalar_t tau;
+    select_scope<scalar_t, false, false>(segs, total, total, k, op, "values", tau);
     return at::scalar_tensor(tau, v0.options());
   });
 }
 
 void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
-    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version) {
+    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version,
+    const std::optional<at::Tensor>& found_nonfinite) {
   const char* op = "prunadag_step_";
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, op, ": version must be 0 (relevant_only) or 1..4, got ", version);
+  const bool flagged = found_nonfinite.has_value() && found_nonfinite->defined();
+  if (flagged) {
+    const auto& f = *found_nonfinite;
+    TORCH_CHECK_VALUE(f.scalar_type() == at::kFloat && f.numel() == 1 && f.device().is_cpu(), op,
+        ": found_nonfinite must be a one-element float32 tensor on the CPU, got ", f.scalar_type(), " ", f.sizes(),
+        " on ", f.device());
+    if (f.item<float>() != 0.0f) {
+      return;  // an earlier scope of this step had a non-finite gradient: skip
+    }
+  }
   if (nt == 0) {
     return;
   }
@@ -462,18 +881,36 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   }
   TORCH_CHECK_VALUE(n_pruned == 0 || (relevant >= 1 && relevant <= n_pruned), op,
       ": relevant (T) must be in [1, n=", n_pruned, "], got ", relevant);
+  bool skipped = false;
   AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_step_", [&] {
     // T >= n: every element is relevant; the pass only checks finiteness.
     const int64_t k = (n_pruned == 0 || relevant >= n_pruned) ? 0 : relevant;
-    const scalar_t tau = any_wd ? select_threshold<scalar_t, true>(segs, total, k, op, "grads")
-                                : select_threshold<scalar_t, false>(segs, total, k, op, "grads");
-    double r = 0.0;
-    if (n_pruned > 0 && version != 2 && version != 4) {
-      const Norms nr = norms_pass<scalar_t>(segs, total, tau);
-      r = ratio(nr.g_r2, nr.x_m2);
+    // The ratio r (versions 1, 3, relevant_only) needs the norms, which read x.
+    const bool norms = k > 0 && version != 2 && version != 4;
+    scalar_t tau;
+    Selected sel;
+    try {
+      if (norms) {
+        sel = select_scope<scalar_t, true, true>(segs, total, n_pruned, k, op, "grads", tau);
+      } else if (any_wd) {
+        sel = select_scope<scalar_t, true, false>(segs, total, n_pruned, k, op, "grads", tau);
+      } else {
+        sel = select_scope<scalar_t, false, false>(segs, total, n_pruned, k, op, "grads", tau);
+      }
+    } catch (const c10::ValueError&) {
+      if (!flagged) {
+        throw;  // the only ValueError of the selection: a non-finite gradient
+      }
+      found_nonfinite->fill_(1.0);
+      skipped = true;
+      return;
     }
+    const double r = norms ? ratio(sel.g_r2, sel.x_m2) : 0.0;
     update_pass<scalar_t>(segs, total, tau, r, static_cast<int>(version));
   });
+  if (skipped) {
+    return;
+  }
   copy_back(xs, params);
   copy_back(sos, opt_sums);
   copy_back(sds, dec_sums);

@@ -10,7 +10,10 @@
 // so deterministic), and a single-thread kernel picks the digit. Norms use
 // per-block partials and one single-block finalize kernel (fixed order).
 // A non-finite gradient sets a device flag; the element kernel then writes
-// nothing (the scope's step is skipped; see docs/prunadag.md).
+// nothing (the scope's step is skipped) and, when the caller passes
+// found_nonfinite, the flag is copied there (and a set flag on entry skips the
+// scope too), so the optimizer can skip a multi-scope step as a whole and
+// report it without a host synchronisation (see docs/prunadag.md).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -266,10 +269,17 @@ __global__ void finalize_kernel(State* st, const double* partials, int nblocks) 
   }
 }
 
-template <typename scalar_t>
-__global__ void update_kernel(Meta m, const double* hyper, const State* st, int version) {
+// Records a non-finite gradient of this scope in the caller's flag.
+__global__ void flag_kernel(const State* st, float* flag) {
   if (st->bad) {
-    return;  // non-finite gradient: the step of this scope is skipped
+    *flag = 1.0f;
+  }
+}
+
+template <typename scalar_t>
+__global__ void update_kernel(Meta m, const double* hyper, const State* st, const float* flag, int version) {
+  if (st->bad || (flag != nullptr && *flag != 0.0f)) {
+    return;  // non-finite gradient (this scope or an earlier one of the step): skip
   }
   const int t = m.tensor_of[blockIdx.x];
   const int64_t begin = static_cast<int64_t>(m.chunk_of[blockIdx.x]) * kChunk;
@@ -366,7 +376,8 @@ at::Tensor topk_threshold_cuda(at::TensorList values, int64_t k) {
 }
 
 void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
-    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version) {
+    at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version,
+    const std::optional<at::Tensor>& found_nonfinite) {
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, "prunadag_step_: version must be 0 (relevant_only) or 1..4, got ",
       version);
   const size_t nt = params.size();
@@ -374,6 +385,13 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
     return;
   }
   const auto& p0 = params[0];
+  float* flag = nullptr;
+  if (found_nonfinite.has_value() && found_nonfinite->defined()) {
+    const auto& f = *found_nonfinite;
+    TORCH_CHECK_VALUE(f.scalar_type() == at::kFloat && f.numel() == 1 && f.device() == p0.device() &&
+        f.is_contiguous(), "prunadag_step_: found_nonfinite must be a one-element float32 tensor on ", p0.device());
+    flag = f.data_ptr<float>();
+  }
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble,
       "prunadag_step_: params must be float32 or float64, got ", p0.scalar_type());
   TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
@@ -433,8 +451,12 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
     }
     finalize_kernel<<<1, kThreads, 0, stream>>>(st, partials.data_ptr<double>(), nblocks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (flag != nullptr) {
+      flag_kernel<<<1, 1, 0, stream>>>(st, flag);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     for (const Meta& m : batches) {
-      update_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, static_cast<int>(version));
+      update_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, flag, static_cast<int>(version));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });

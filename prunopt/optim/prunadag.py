@@ -204,17 +204,51 @@ def _hyper_tensor(s: _Scope) -> Tensor:
     return torch.stack([lr_k, lr_k / (k + 1.0), consts[:, 2], consts[:, 3], consts[:, 4], consts[:, 5]], dim=1)
 
 
-def _fused_scope(s: _Scope, T: int) -> None:
+def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None) -> None:
     if not s.params:
         return
     torch.ops.prunopt.prunadag_step_(
-        s.params, s.opt_sums, s.dec_sums, [g.contiguous() for g in s.grads], _hyper_tensor(s), T, _version_code(s.version)
+        s.params, s.opt_sums, s.dec_sums, [g.contiguous() for g in s.grads], _hyper_tensor(s), T,
+        _version_code(s.version), found_nonfinite,
     )
 
 
-def _run_scopes(scopes: List[_Scope], impl: str) -> None:
+def _flag_nonfinite(scopes: List[_Scope], flag: Tensor) -> None:
+    """``flag = 1`` if an effective gradient of any scope is not finite, with
+    tensor ops only (no host synchronisation on CUDA)."""
+    for s in scopes:
+        for p, g, h in zip(s.params, s.grads, s.hypers):
+            bad = (~torch.isfinite(effective_grad(p, g, h))).any().to(device=flag.device, dtype=flag.dtype)
+            torch.maximum(flag, bad.reshape(flag.shape), out=flag)
+
+
+def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tensor] = None) -> None:
+    """One step over the scopes. Non-finite effective gradients: without
+    ``found_nonfinite`` the step raises ValueError and changes nothing; with it
+    (a one-element float32 tensor) nothing changes either, ``found_nonfinite``
+    is set to 1, and step counters on its device do not advance — all without
+    a host synchronisation on the fused path (used by PrunAdag on CUDA)."""
     _check_grads(scopes)
     targets = [s.target() for s in scopes]  # validates int T <= n before any write
+    flag = found_nonfinite
+    if flag is not None:
+        if flag.dtype != torch.float32 or flag.numel() != 1:
+            raise ValueError("found_nonfinite must be a one-element float32 tensor")
+        if impl != "fused" or len(scopes) > 1:
+            _flag_nonfinite(scopes, flag)  # one fused call checks its own scope before writing
+        if impl != "fused" and bool(flag.item() != 0):
+            return  # reference paths: nothing written, counters unchanged
+        for s, T in zip(scopes, targets):
+            if impl == "fused":
+                _fused_scope(s, T, flag)  # writes nothing once the flag is set
+            else:
+                (_foreach_scope if impl == "foreach" else _single_tensor_scope)(s, T)
+        for st in (st for s in scopes for st in s.steps):
+            if st.device == flag.device:
+                st.add_(1.0 - flag.reshape(()).to(st.dtype))
+            else:
+                st.add_(1)  # a host counter for device params: advancing it conditionally would sync
+        return
     if impl == "fused":
         # One kernel call is atomic (it validates before writing); with several
         # calls the finiteness check runs first so that nothing is half-updated.
@@ -247,6 +281,7 @@ def prunadag(
     maximize: bool = False,
     foreach: Optional[bool] = None,
     fused: Optional[bool] = None,
+    found_nonfinite: Optional[Tensor] = None,
 ) -> None:
     r"""Functional prunAdag (Algorithm 2.1): one step over ``params`` as a single
     selection scope (one global top-T set and one ratio ``r``), in place.
@@ -254,6 +289,12 @@ def prunadag(
     ``opt_sums`` are :math:`(w^O)^2` and ``dec_sums`` :math:`(w^D)^2` (eq. 2.15);
     ``state_steps`` are the step counters ``k`` (tensors, incremented here).
     See :class:`PrunAdag` for the hyper-parameters.
+
+    Non-finite gradients: by default the step raises ``ValueError`` and changes
+    nothing. With ``found_nonfinite`` (a one-element float32 tensor, e.g. on the
+    params' device) it changes nothing either but sets ``found_nonfinite`` to 1
+    instead of raising, and the step counters on that device do not advance;
+    the fused kernel does this without a host synchronisation.
     """
     group = dict(lr=lr, relevant=relevant, version=version, scope="global", lr_decay=lr_decay,
                  weight_decay=weight_decay, initial_accumulator_value=0.0, eps=eps, maximize=maximize,
@@ -263,7 +304,7 @@ def prunadag(
     s.params, s.grads, s.opt_sums, s.dec_sums, s.steps = list(params), list(grads), list(opt_sums), list(dec_sums), list(state_steps)
     s.hypers = [TensorHyper(lr=float(lr), lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize) for _ in params]
     s.relevant, s.version = relevant, version
-    _run_scopes([s], _choose_impl(s.params + s.grads + s.opt_sums + s.dec_sums, foreach, fused))
+    _run_scopes([s], _choose_impl(s.params + s.grads + s.opt_sums + s.dec_sums, foreach, fused), found_nonfinite)
 
 
 def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
@@ -310,10 +351,13 @@ class PrunAdag(torch.optim.Optimizer):
     ``decrease_sum`` (:math:`(w^D)^2`).
 
     Non-finite gradients: a step whose (effective) gradient has a NaN or inf
-    anywhere raises ``ValueError`` and changes nothing (no parameter, no
-    accumulator, no step counter). On CUDA the fused kernel cannot raise without
-    a host synchronisation; it skips the update of the affected scope instead
-    (documented in docs/prunadag.md).
+    anywhere changes nothing (no parameter, no accumulator of any scope). On
+    the CPU it raises ``ValueError`` (and no step counter advances). On CUDA
+    raising would need a host synchronisation, so the step is skipped on the
+    device instead: the step counters (kept on the device for CUDA params, as
+    in ``torch.optim.Adagrad(fused=True)``) do not advance, and
+    :attr:`found_nonfinite` (a float32 device tensor) is 1 after a skipped step
+    and 0 otherwise — read it when convenient (e.g. with the loss).
     """
 
     def __init__(
@@ -338,6 +382,7 @@ class PrunAdag(torch.optim.Optimizer):
         )
         _check_hyper(dict(defaults))
         super().__init__(params, defaults)
+        self.found_nonfinite: Optional[Tensor] = None  # set by fused CUDA steps
         self._check_consistency()
         total = sum(p.numel() for g in self.param_groups if g["prune"] for p in g["params"])
         for g in self.param_groups:
@@ -351,7 +396,8 @@ class PrunAdag(torch.optim.Optimizer):
         state = self.state[p]
         if len(state) == 0:
             v = group["initial_accumulator_value"]
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # on the device for CUDA params, so that a skipped step needs no sync
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if p.is_cuda else None)
             state["sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
             state["decrease_sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
 
@@ -452,5 +498,10 @@ class PrunAdag(torch.optim.Optimizer):
             return loss
         group0 = self.param_groups[0]
         tensors = [t for s in scopes for t in s.params + s.grads + s.opt_sums + s.dec_sums]
-        _run_scopes(scopes, _choose_impl(tensors, group0["foreach"], group0["fused"]))
+        impl = _choose_impl(tensors, group0["foreach"], group0["fused"])
+        flag = None
+        if impl == "fused" and tensors[0].is_cuda:
+            flag = torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
+            self.found_nonfinite = flag
+        _run_scopes(scopes, impl, flag)
         return loss

@@ -200,3 +200,114 @@ def test_threshold_compiles():
     a, b = torch.randn(40), torch.randn(9)
     compiled = torch.compile(f, fullgraph=prunopt.extension_available(), backend="inductor")
     assert torch.equal(compiled(a, b), f(a, b))
+
+
+# ---------------------------------------------------------------- large inputs: sampled select and its fallback
+#
+# Below 2^16 pruned elements the CPU kernel keeps every element as a candidate;
+# above, it brackets tau with a sample and falls back to an exact radix select
+# when the bracket misses or holds too many candidates (ties). Both paths must
+# give torch.kthvalue's value bit for bit; PRUNOPT_PRUNADAG_SELECT=radix forces
+# the fallback.
+
+SELECT_MODES = ["sample", "radix"]
+LARGE = 150_001
+
+
+def _large_values(kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return [torch.randn(LARGE, generator=g)]
+    if kind == "list":  # many tensors, one empty, mixed sizes
+        return [torch.randn(n, generator=g) for n in (70_001, 0, 1, 4097, 65_536, 13, 30_000)]
+    if kind == "ties":  # few distinct magnitudes: the bracket holds too many candidates
+        return [(torch.randn(LARGE, generator=g) * 2).round() / 2]
+    if kind == "equal":
+        return [torch.full((LARGE,), -0.25)]
+    if kind == "zeros_and_outliers":  # mostly zero, a few huge values in one place
+        v = torch.zeros(LARGE)
+        v[1000:1100] = torch.randn(100, generator=g) * 1e6
+        return [v, torch.randn(LARGE, generator=g) * 1e-3]
+    if kind == "sorted":  # magnitude grows along the index space
+        return [torch.linspace(-1.0, 3.0, LARGE), torch.linspace(5.0, 4.0, 70_000)]
+    if kind == "unsampled":  # large values only between the sample blocks of kernel (see prunadag.cpp)
+        total = LARGE
+        sampled = torch.zeros(total, dtype=torch.bool)
+        for blk in range(2048):
+            start = blk * (total - 16) // 2047
+            sampled[start:start + 16] = True
+        v = torch.rand(total, generator=g)
+        v[~sampled] += 10.0
+        return [v]
+    raise AssertionError(kind)
+
+
+LARGE_KINDS = ["normal", "list", "ties", "equal", "zeros_and_outliers", "sorted", "unsampled"]
+
+
+@needs_ext
+@pytest.mark.parametrize("mode", SELECT_MODES)
+@pytest.mark.parametrize("kind", LARGE_KINDS)
+def test_threshold_large_matches_kthvalue(kind, mode, monkeypatch):
+    monkeypatch.setenv("PRUNOPT_PRUNADAG_SELECT", mode)
+    for dtype in (torch.float32, torch.float64):
+        vals = [v.to(dtype) for v in _large_values(kind)]
+        flat = torch.cat([v.abs() for v in vals])
+        n = flat.numel()
+        for k in (1, 2, 100, n // 1000, n // 10, n // 2, n - 1, n):
+            expected = torch.kthvalue(flat, n - k + 1).values
+            assert torch.equal(topk_threshold(vals, k), expected), (kind, mode, dtype, k)
+
+
+def _large_step_case(kind, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gs = [v.to(dtype) for v in _large_values(kind, seed)]
+    xs = [torch.randn(v.shape, generator=g, dtype=torch.float64).to(dtype) for v in gs]
+    so = [(torch.rand(v.shape, generator=g, dtype=torch.float64) + 0.01).to(dtype) for v in gs]
+    sd = [(torch.rand(v.shape, generator=g, dtype=torch.float64) + 0.01).to(dtype) for v in gs]
+    return xs, gs, so, sd
+
+
+@needs_ext
+@pytest.mark.parametrize("mode", SELECT_MODES)
+@pytest.mark.parametrize("kind, dtype, version, wd, maximize, frac", [
+    ("normal", torch.float32, 3, 0.0, False, 0.1),
+    ("normal", torch.float64, 1, 0.1, True, 0.3),
+    ("list", torch.float32, 3, 0.1, False, 0.05),
+    ("list", torch.float64, 0, 0.0, True, 0.5),
+    ("ties", torch.float32, 3, 0.0, False, 0.1),
+    ("ties", torch.float32, 2, 0.1, False, 0.2),
+    ("unsampled", torch.float32, 4, 0.0, False, 0.1),
+    ("unsampled", torch.float32, 3, 0.0, True, 0.01),
+    ("zeros_and_outliers", torch.float64, 3, 0.0, False, 0.001),
+])
+def test_step_large_matches_reference(kind, dtype, version, wd, maximize, frac, mode, monkeypatch):
+    monkeypatch.setenv("PRUNOPT_PRUNADAG_SELECT", mode)
+    xs, gs, so, sd = _large_step_case(kind, dtype)
+    hypers = [TensorHyper(lr=0.3, k=2.0, lr_decay=0.1, weight_decay=wd, eps=1e-8, maximize=maximize)
+              for _ in xs]
+    if len(xs) > 2:  # an Adagrad-only tensor rides along
+        hypers[-1] = TensorHyper(lr=0.3, k=2.0, lr_decay=0.1, weight_decay=wd, eps=1e-8, maximize=maximize, prune=False)
+    n = sum(x.numel() for x, h in zip(xs, hypers) if h.prune)
+    T = max(1, math.ceil(frac * n))
+    ref = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    prunadag_step_reference(ref[0], gs, ref[1], ref[2], hypers, T, "relevant_only" if version == 0 else version)
+    out = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], gs, _hyper_tensor(hypers), T, version)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-13, rtol=1e-12)
+    for lo, lr in zip(out, ref):
+        for a, b in zip(lo, lr):
+            torch.testing.assert_close(a, b, **tol)
+
+
+@needs_ext
+def test_step_large_nonfinite_raises_before_writing():
+    xs, gs, so, sd = _large_step_case("list", torch.float32)
+    hyp = _hyper_tensor([TensorHyper(lr=1.0) for _ in xs])
+    before = [t.clone() for t in xs + so + sd]
+    for bad in (math.nan, math.inf, -math.inf):
+        gs[-1][-1] = bad  # the very last element: found by the scan before any write
+        with pytest.raises(ValueError, match="non-finite"):
+            torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 1000, 3)
+        for a, b in zip(xs + so + sd, before):
+            assert torch.equal(a, b)

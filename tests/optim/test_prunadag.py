@@ -313,3 +313,50 @@ def test_non_finite_grad_skips_step_and_raises(path, bad, scope):
     for k, s in state["state"].items():
         for key in s:
             assert torch.equal(after["state"][k][key], s[key])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("where", ["first", "last", "preset"])
+def test_non_finite_flag_mode_skips_without_raising(path, where):
+    """The no-sync mode PrunAdag uses on CUDA, run on the CPU through the
+    functional form: a non-finite gradient (or a flag already set by an earlier
+    part of the step) writes nothing, sets the flag and does not advance the
+    step counters; a finite step leaves the flag at 0 and matches the raising mode."""
+    dtype = torch.float32
+    ps = [p.detach() for p in _params(dtype, sizes=(70_000, 13, 4097))]
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=g) for p in ps]
+    so = [torch.full_like(p, 0.01) for p in ps]
+    sd = [torch.full_like(p, 0.01) for p in ps]
+    steps = [torch.tensor(2.0) for _ in ps]
+    kw = dict(lr=0.3, relevant=0.1, version=3, **_path_kwargs(path))
+
+    ref = [[t.clone() for t in lst] for lst in (ps, so, sd, steps)]
+    prunadag(ref[0], grads, ref[1], ref[2], ref[3], **kw)
+    flag = torch.zeros(1)
+    out = [[t.clone() for t in lst] for lst in (ps, so, sd, steps)]
+    prunadag(out[0], grads, out[1], out[2], out[3], found_nonfinite=flag, **kw)
+    assert flag.item() == 0.0
+    for lo, lr in zip(out, ref):
+        for a, b in zip(lo, lr):
+            assert torch.equal(a, b)
+
+    flag = torch.ones(1) if where == "preset" else torch.zeros(1)
+    bad = [gr.clone() for gr in grads]
+    if where != "preset":
+        bad[0 if where == "first" else -1].view(-1)[-1] = math.nan
+    before = [[t.clone() for t in lst] for lst in (ps, so, sd, steps)]
+    prunadag(ps, bad, so, sd, steps, found_nonfinite=flag, **kw)
+    assert flag.item() == 1.0
+    for lo, lb in zip((ps, so, sd, steps), before):
+        for a, b in zip(lo, lb):
+            assert torch.equal(a, b)
+
+
+@needs_ext
+def test_fused_op_flag_argument_errors():
+    x, g = torch.randn(5), torch.randn(5)
+    hyper = torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0]], dtype=torch.float64)
+    for flag in (torch.zeros(2), torch.zeros(1, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="found_nonfinite"):
+            torch.ops.prunopt.prunadag_step_([x], [x.clone()], [x.clone()], [g], hyper, 2, 3, flag)
