@@ -19,12 +19,19 @@ Logistic regression (eq. 3.4, labels in {-1, +1}, no intercept): scikit-learn's
 digits (even vs odd) and breast cancer, min-max normalised, 70:30 split, 2000
 iterations, ``T = ceil(n/10)``; FW1 ``tau = 10``, FW2 ``tau = 100``, ``beta = 0.5``.
 Test accuracy after pruning 65..95% of the weights.
+
+The runs of one problem are solved together as the rows of one ``(runs, n)``
+float64 problem (:func:`solve_batched`; per-run top-T set, ratio and stopping),
+which makes the paper's setting (20 runs, 10^4 iterations) affordable; each row
+reproduces the library optimizer (:func:`solve`) run alone. Problems can be run
+in separate processes (``--prunadag-problems``) and merged (``--prunadag-merge``).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 
 import torch
 
@@ -108,6 +115,9 @@ def make_optimizer(method: str, x: torch.Tensor, T: int, fw=(50.0, 100.0, 0.001)
 
 
 def solve(grad_fn, x0: torch.Tensor, method: str, T: int, iters: int, tol: float, fw) -> torch.Tensor:
+    """One run with the library optimizers (:class:`PrunAdag`, :class:`SFW`,
+    ``torch.optim.Adagrad``): at most ``iters`` steps, stopping before a step
+    when ``||g|| <= tol`` (``tol = 0``: never). The oracle of :func:`solve_batched`."""
     x = x0.clone().requires_grad_(False)
     opt = make_optimizer(method, x, T, fw)
     for _ in range(iters):
@@ -119,29 +129,184 @@ def solve(grad_fn, x0: torch.Tensor, method: str, T: int, iters: int, tol: float
     return x.detach()
 
 
-def least_squares(runs: int, iters: int, seed: int, show_progress: bool, problems=PROBLEMS):
-    """Mean rho per (problem, method, sigma)."""
+# --- batched runs --------------------------------------------------------------
+# The paper's 20 runs of one problem are independent; on this scale (n = 1000)
+# one optimizer step is dominated by Python overhead, so the runs are stacked as
+# the rows of a (B, n) float64 problem and every quantity of Algorithm 2.1 that
+# the paper takes over "the" parameter vector -- the top-T set (eq. 2.6), the
+# ratio r = ||g||_R / ||x||_M (Table 1, SPEC.md section 2), ||g||_R of the LMO
+# (eq. 1.2), FW2's ||v - x|| -- is taken per row. The element arithmetic is that
+# of prunopt.reference.prunadag / prunopt.optim.sfw / torch.optim.Adagrad, op for
+# op, so one row reproduces the library optimizer (tests/repro/test_prunadag_repro.py).
+
+
+def _row_relevant(g: torch.Tensor, T: int) -> torch.Tensor:
+    """Per row, ``R = {i : |g_i| >= tau}`` with ``tau`` the T-th largest ``|g_i|``
+    of the row (ties at ``tau`` are all relevant, eq. 2.6 / SPEC.md section 2)."""
+    ag = g.abs()
+    if T >= g.shape[1]:
+        return torch.ones_like(ag, dtype=torch.bool)
+    tau = torch.topk(ag, T, dim=1, sorted=False).values.amin(1, keepdim=True)  # = kthvalue(n - T + 1)
+    return ag >= tau
+
+
+def batched_prunadag_step(x, g, opt_sum, dec_sum, k: int, T: int, version, lr: float = 1.0, eps: float = 0.0):
+    """One prunAdag step (Algorithm 2.1, SPEC.md section 2) on every row of ``x``
+    (``(B, n)``): row ``b`` is the whole parameter vector of run ``b`` (its own
+    top-T set and ratio ``r``). ``k`` is the step counter shared by the rows.
+    Returns the new ``(x, opt_sum, dec_sum)``; the inputs are not modified."""
+    rel = _row_relevant(g, T)
+    m = x * g > 0
+    m &= ~rel  # sign-matched irrelevant set M (strict: a zero never matches)
+    g2 = g * g
+    x2 = x * x
+    g_r = (g2 * rel).sum(1, keepdim=True)  # ||g||_R^2 (float64)
+    x_m = (x2 * m).sum(1, keepdim=True)  # ||x||_M^2
+    ratio = torch.where(x_m > 0, g_r.sqrt() / torch.where(x_m > 0, x_m, torch.ones_like(x_m)).sqrt(), torch.zeros_like(x_m))
+    so_new = opt_sum + g2  # eq. 2.7
+    std = so_new.sqrt()
+    if eps:
+        std += eps
+    s_opt = torch.div(g, std).mul_(-lr)  # eq. 2.9
+    base = lr / (k + 1.0)
+    ax = x.abs()
+    a = ax * base if version in (2, 4) else ax * (base * ratio)  # Table 1
+    if version == "relevant_only":
+        opt = rel
+    else:
+        s_abs = s_opt.abs()
+        opt = a <= s_abs  # eq. 2.8: A = {i in M : a_i <= |s_i| <= b_i}
+        opt &= m
+        if version in (3, 4):
+            opt &= s_abs <= ax
+        opt |= rel  # O = R u A
+    sd_new = dec_sum + x2  # eq. 2.10
+    sd_root = sd_new.sqrt()
+    if eps:
+        sd_root += eps
+    s_l = (ax * lr).div_(sd_root)
+    # eq. 2.16: on D ∩ M shrink by min(a, |s^L|) towards 0; elsewhere in D no step
+    x_dec = torch.where(m, x - torch.minimum(a, s_l).mul_(torch.sign(x)), x)
+    return (torch.where(opt, x + s_opt, x_dec), torch.where(opt, so_new, opt_sum), torch.where(opt, dec_sum, sd_new))
+
+
+def batched_sfw_step(x, g, k: int, T: int, radius: float, step_rule: str, beta: float):
+    """One Frank-Wolfe step (eq. 1.2-1.3, :class:`prunopt.optim.SFW` without
+    momentum) on every row of ``x``; returns the new ``x``."""
+    rel = _row_relevant(g, T)
+    g_r = (g * g * rel).sum(1, keepdim=True).sqrt()
+    pos = g_r > 0
+    v = torch.where(rel & pos, g * (-radius / torch.where(pos, g_r, torch.ones_like(g_r))), torch.zeros_like(g))  # eq. 1.2
+    d = v - x
+    if step_rule == "fw1":
+        return x + d * (1.0 / (k + 1.0))  # eq. 1.3
+    dist = (d * d).sum(1, keepdim=True).sqrt()
+    eta = torch.where(dist > 0, torch.clamp_max(beta * g_r / torch.where(dist > 0, dist, torch.ones_like(dist)), 1.0),
+                      torch.zeros_like(dist))
+    return x + d * eta  # eq. 1.3
+
+
+def batched_adagrad_step(x, g, opt_sum, lr: float = 1.0, eps: float = 0.0):
+    """``torch.optim.Adagrad``'s step (no decay) on every row; returns the new
+    ``(x, opt_sum)``."""
+    so = opt_sum + g * g
+    std = so.sqrt()
+    if eps:
+        std += eps
+    return x - torch.div(g, std).mul_(lr), so
+
+
+def solve_batched(grad_fn, x0: torch.Tensor, method: str, T: int, iters: int, tol: float, fw):
+    """Runs ``method`` on every row of ``x0`` (``(B, n)``, the start of each run)
+    for at most ``iters`` steps. ``grad_fn(X)`` returns the ``(B, n)`` gradients.
+    Row ``b`` stops, for good, before the first step at which its ``||g|| <= tol``
+    (``tol = 0``: never) -- the per-run stopping rule of section 3; a stopped row
+    keeps its iterate and accumulators unchanged while the others go on.
+
+    Returns ``(x, steps)``: the final iterates and the number of steps each row took.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if x0.dim() != 2 or x0.dtype != torch.float64:
+        raise ValueError(f"x0 must be a (runs, n) float64 tensor, got {tuple(x0.shape)} {x0.dtype}")
+    x = x0.detach().clone()
+    B = x.shape[0]
+    opt_sum = torch.full_like(x, 0.01)  # ς = 0.01 (eq. 2.15)
+    dec_sum = torch.full_like(x, 0.01)
+    active = torch.ones(B, 1, dtype=torch.bool, device=x.device)
+    steps = torch.zeros(B, dtype=torch.long)
+    all_active = True
+    for k in range(iters):
+        g = grad_fn(x)
+        if tol > 0:
+            active &= g.norm(dim=1, keepdim=True) > tol
+            if not bool(active.any()):
+                break
+            all_active = bool(active.all())
+        if method.startswith("V"):
+            new = batched_prunadag_step(x, g, opt_sum, dec_sum, k, T, int(method[1]), lr=1.0, eps=0.0)
+        elif method == "Adagrad":
+            new = batched_adagrad_step(x, g, opt_sum, lr=1.0, eps=0.0) + (dec_sum,)
+        else:
+            radius = fw[0] if method == "FW1" else fw[1]
+            new = (batched_sfw_step(x, g, k, T, radius, method.lower(), fw[2]), opt_sum, dec_sum)
+        if all_active:
+            x, opt_sum, dec_sum = new
+        else:  # a stopped run stops changing
+            x, opt_sum, dec_sum = (torch.where(active, nw, old) for nw, old in zip(new, (x, opt_sum, dec_sum)))
+        steps += active.view(-1)
+    return x, steps
+
+
+def _row_prune(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Each row magnitude-pruned to the fraction ``sigma`` (the paper prunes each
+    run's solution on its own)."""
+    return torch.stack([row * magnitude_masks(row, sigma=sigma)[0] for row in x])
+
+
+def least_squares_problems(problem: str, runs: int, seed: int, m: int = 100, n: int = 1000):
+    """The ``runs`` instances of one problem, stacked: ``A`` ``(runs, m, n)``,
+    ``b`` ``(runs, m)``, starts ``x0`` ``(runs, n)``. Run ``r`` draws its matrix,
+    ``x* ~ N(0, 1)`` and its start from its own generator."""
+    T = n // 10
+    As, bs, x0s = [], [], []
+    for r in range(runs):
+        g = torch.Generator().manual_seed(seed * 1000 + r * 17 + PROBLEMS.index(problem))
+        A = make_matrix(problem, m, n, g)
+        As.append(A)
+        bs.append(A @ torch.randn(n, generator=g, dtype=torch.float64))
+        x0s.append(sparse_start(n, T, g))
+    return torch.stack(As), torch.stack(bs), torch.stack(x0s)
+
+
+def least_squares(runs: int, iters: int, seed: int, show_progress: bool, problems=PROBLEMS, m: int = 100, n: int = 1000):
+    """Mean rho per (problem, method, sigma), and per (problem, method) the mean
+    final ``||g||``, how many runs met ``||g|| <= 1e-9`` and their mean step count."""
     from prunopt.train.loop import progress
 
-    m, n = 100, 1000
     T = n // 10
     out = {p: {meth: {s: 0.0 for s in SIGMAS} for meth in METHODS} for p in problems}
-    jobs = [(p, r) for p in problems for r in range(runs)]
-    for p, r in progress(jobs, "prunadag least squares", show_progress):
-        g = torch.Generator().manual_seed(seed * 1000 + r * 17 + PROBLEMS.index(p))
-        A = make_matrix(p, m, n, g)
-        b = A @ torch.randn(n, generator=g, dtype=torch.float64)
-        x0 = sparse_start(n, T, g)
+    conv = {p: {} for p in problems}
+    jobs = [(p, meth) for p in problems for meth in METHODS]
+    cache = {}
+    for p, meth in progress(jobs, "prunadag least squares", show_progress):
+        if p not in cache:
+            cache.clear()
+            cache[p] = least_squares_problems(p, runs, seed, m, n)
+        A, b, x0 = cache[p]
+        At = A.transpose(1, 2)
+        b = b.unsqueeze(1)
 
-        def grad(x):
-            return A.t() @ (A @ x - b)
+        def grad(x):  # g = A^T (A x - b), every run at once (row-vector products: the fast bmm layout)
+            return torch.bmm(torch.bmm(x.unsqueeze(1), At) - b, A).squeeze(1)
 
-        for meth in METHODS:
-            x = solve(grad, x0, meth, T, iters, 1e-9, (50.0, 100.0, 0.001))
-            for s in SIGMAS:
-                xp = x * magnitude_masks(x, sigma=s / 100)[0]
-                out[p][meth][s] += float(grad(xp).norm()) / runs
-    return out
+        x, steps = solve_batched(grad, x0, meth, T, iters, 1e-9, (50.0, 100.0, 0.001))
+        gn = grad(x).norm(dim=1)
+        conv[p][meth] = {"grad_norm": float(gn.mean()), "converged": int((gn <= 1e-9).sum()), "runs": runs,
+                         "mean_steps": float(steps.double().mean())}
+        for s in SIGMAS:
+            out[p][meth][s] = float(grad(_row_prune(x, s / 100)).norm(dim=1).mean())
+    return out, conv
 
 
 def _load_logreg(name: str, seed: int):
@@ -165,29 +330,35 @@ def _load_logreg(name: str, seed: int):
 
 
 def logistic(runs: int, iters: int, seed: int, show_progress: bool):
-    """Mean pruned test accuracy per (dataset, method, sigma)."""
+    """Mean pruned test accuracy per (dataset, method, sigma). Run ``r`` has its
+    own 70:30 split and its own sparse start; the runs are solved together."""
     from prunopt.train.loop import progress
 
     names = ["digits-even-odd", "breast-cancer"]
     out = {d: {meth: {s: 0.0 for s in LOGREG_SIGMAS} for meth in METHODS} for d in names}
-    jobs = [(d, r) for d in names for r in range(runs)]
-    for d, r in progress(jobs, "prunadag logistic", show_progress):
-        Xtr, ytr, Xte, yte = _load_logreg(d, seed + r)
-        n = Xtr.shape[1]
-        T = max(1, math.ceil(n / 10))
-        g = torch.Generator().manual_seed(seed * 7 + r)
-        x0 = sparse_start(n, T, g)
+    jobs = [(d, meth) for d in names for meth in METHODS]
+    cache = {}
+    for d, meth in progress(jobs, "prunadag logistic", show_progress):
+        if d not in cache:
+            cache.clear()
+            splits = [_load_logreg(d, seed + r) for r in range(runs)]
+            Xtr, ytr, Xte, yte = (torch.stack([s[i] for s in splits]) for i in range(4))
+            n = Xtr.shape[2]
+            T = max(1, math.ceil(n / 10))
+            x0 = torch.stack([sparse_start(n, T, torch.Generator().manual_seed(seed * 7 + r)) for r in range(runs)])
+            cache[d] = (Xtr, ytr, Xte, yte, x0, T)
+        Xtr, ytr, Xte, yte, x0, T = cache[d]
+        N = ytr.shape[1]
 
-        def grad(x):  # eq. 3.4: f = mean log(1 + exp(-y a^T x))
-            z = ytr * (Xtr @ x)
-            return -(Xtr.t() @ (ytr * torch.sigmoid(-z))) / len(ytr)
+        def grad(x):  # eq. 3.4: f = mean log(1 + exp(-y a^T x)), every run at once
+            z = ytr * torch.bmm(Xtr, x.unsqueeze(2)).squeeze(2)
+            return -torch.bmm(Xtr.transpose(1, 2), (ytr * torch.sigmoid(-z)).unsqueeze(2)).squeeze(2) / N
 
-        for meth in METHODS:
-            x = solve(grad, x0, meth, T, iters, 0.0, (10.0, 100.0, 0.5))
-            for s in LOGREG_SIGMAS:
-                xp = x * magnitude_masks(x, sigma=s / 100)[0]
-                acc = float(((Xte @ xp) * yte > 0).double().mean())
-                out[d][meth][s] += 100.0 * acc / runs
+        x, _ = solve_batched(grad, x0, meth, T, iters, 0.0, (10.0, 100.0, 0.5))
+        for s in LOGREG_SIGMAS:
+            xp = _row_prune(x, s / 100)
+            acc = ((torch.bmm(Xte, xp.unsqueeze(2)).squeeze(2) * yte) > 0).double().mean(1)
+            out[d][meth][s] = float(100.0 * acc.mean())
     return out
 
 
@@ -204,6 +375,17 @@ def lsq_markdown(res) -> str:
             paper = PAPER_TABLE2.get(p, {}).get(s)
             if paper:
                 lines.append(f"| {p} (paper) | {s}% | " + " | ".join(_fmt(v) for v in paper) + " |")
+    return "\n".join(lines)
+
+
+def convergence_markdown(conv) -> str:
+    """Per (problem, method): mean final ``||g||``, runs that met ``||g|| <= 1e-9``,
+    mean number of steps."""
+    lines = ["| problem | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
+    for p, by_m in conv.items():
+        cells = [f"{_fmt(c['grad_norm'])} ({c['converged']}/{c['runs']}, {c['mean_steps']:.0f})"
+                 for c in (by_m[meth] for meth in METHODS)]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -224,9 +406,14 @@ def plot_rho(res, path: str) -> None:
     probs = list(res)
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
     for ax, p in zip(axes.flat, probs):
-        for meth in METHODS:
-            ax.semilogy(SIGMAS, [max(res[p][meth][s], 1e-12) for s in SIGMAS], marker="o", ms=3, label=meth)
-        ax.set_title(f"{p}: rho = ||g(x pruned)||")
+        paper = PAPER_TABLE2.get(p, {})
+        for j, meth in enumerate(METHODS):
+            color = f"C{j}"
+            ax.semilogy(SIGMAS, [max(res[p][meth][s], 1e-12) for s in SIGMAS], marker="o", ms=3, color=color, label=meth)
+            if paper:
+                ps = sorted(paper)
+                ax.semilogy(ps, [max(paper[s][j], 1e-12) for s in ps], ls=":", marker="x", ms=5, color=color)
+        ax.set_title(f"{p}: rho = ||g(x pruned)||  (dotted x: paper)")
         ax.set_xlabel("sigma (% pruned)")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -241,25 +428,114 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("prunadag")
     g.add_argument("--prunadag-runs", type=int, default=None, help="prunadag: runs per problem (paper 20; quick 2)")
     g.add_argument("--prunadag-iters", type=int, default=None, help="prunadag: iteration limit (paper 1e4; quick 1000)")
+    g.add_argument("--prunadag-logreg-iters", type=int, default=None,
+                   help="prunadag: logistic-regression iterations (paper 2000; quick 300; 0 skips it)")
+    g.add_argument("--prunadag-problems", default=None, help="prunadag: comma-separated subset of A1..A6 (default all)")
+    g.add_argument("--prunadag-merge", default=None,
+                   help="prunadag: comma-separated folders of earlier runs; write their combined report to --out")
 
 
 def run(args) -> None:
+    if getattr(args, "prunadag_merge", None):
+        write_report(merge_reports([d.strip() for d in args.prunadag_merge.split(",") if d.strip()]), args.out)
+        return
     quick = args.quick
     runs = getattr(args, "prunadag_runs", None) or (2 if quick else 20)
     iters = getattr(args, "prunadag_iters", None) or (1000 if quick else 10_000)
-    os.makedirs(args.out, exist_ok=True)
-    lsq = least_squares(runs, iters, args.seed, args.progress)
-    lr_iters = 300 if quick else 2000
-    logreg = logistic(runs, lr_iters, args.seed, args.progress)
-    md = (f"## Least squares (rho, {runs} runs, at most {iters} iterations)\n\n{lsq_markdown(lsq)}\n\n"
-          f"## Logistic regression (test accuracy, {runs} runs, {lr_iters} iterations)\n\n{logreg_markdown(logreg)}\n")
-    with open(os.path.join(args.out, "prunadag.md"), "w") as f:
+    lr_iters = getattr(args, "prunadag_logreg_iters", None)
+    lr_iters = (300 if quick else 2000) if lr_iters is None else lr_iters
+    problems = PROBLEMS
+    if getattr(args, "prunadag_problems", None):
+        problems = [p.strip() for p in args.prunadag_problems.split(",") if p.strip()]
+        bad = [p for p in problems if p not in PROBLEMS]
+        if bad:
+            raise ValueError(f"--prunadag-problems: unknown problem(s) {bad}; expected a subset of {PROBLEMS}")
+    for name, v in (("--prunadag-runs", runs), ("--prunadag-iters", iters)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if lr_iters < 0:
+        raise ValueError(f"--prunadag-logreg-iters must be >= 0, got {lr_iters}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; one thread is what the figures were taken with
+    try:
+        _run(args, runs, iters, lr_iters, problems)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, runs: int, iters: int, lr_iters: int, problems) -> None:
+    t0 = time.perf_counter()
+    lsq, conv = least_squares(runs, iters, args.seed, args.progress, problems)
+    t_lsq = time.perf_counter() - t0
+    logreg, t_lr = None, 0.0
+    if lr_iters > 0:
+        t1 = time.perf_counter()
+        logreg = logistic(runs, lr_iters, args.seed, args.progress)
+        t_lr = time.perf_counter() - t1
+    data = {"least_squares": lsq, "convergence": conv, "logistic": logreg, "runs": runs, "iters": iters,
+            "logreg_iters": lr_iters, "seed": args.seed, "wall_s": {"least_squares": t_lsq, "logistic": t_lr}}
+    write_report(data, args.out)
+
+
+def _int_keys(d):
+    """JSON turns the sigma keys into strings; this turns them back."""
+    if isinstance(d, dict):
+        return {(int(k) if isinstance(k, str) and k.isdigit() else k): _int_keys(v) for k, v in d.items()}
+    return d
+
+
+def merge_reports(dirs) -> dict:
+    """Combines the ``prunadag.json`` of several runs (e.g. problems run in
+    parallel processes): least-squares problems and the logistic part are taken
+    from whichever run has them; runs, iteration limits and seed must agree."""
+    parts = []
+    for d in dirs:
+        with open(os.path.join(d, "prunadag.json")) as f:
+            parts.append(_int_keys(json.load(f)))
+    if not parts:
+        raise ValueError("--prunadag-merge: no folders given")
+    for key in ("runs", "iters", "seed"):
+        vals = {p[key] for p in parts}
+        if len(vals) > 1:
+            raise ValueError(f"--prunadag-merge: the runs disagree on {key}: {sorted(vals)}")
+    data = {"least_squares": {}, "convergence": {}, "logistic": None, "runs": parts[0]["runs"],
+            "iters": parts[0]["iters"], "logreg_iters": 0, "seed": parts[0]["seed"],
+            "wall_s": {"least_squares": 0.0, "logistic": 0.0}}
+    for p in parts:
+        data["least_squares"].update(p["least_squares"])
+        data["convergence"].update(p["convergence"])
+        if p.get("logistic"):
+            data["logistic"], data["logreg_iters"] = p["logistic"], p["logreg_iters"]
+        for k in data["wall_s"]:
+            data["wall_s"][k] += p.get("wall_s", {}).get(k, 0.0)
+    data["least_squares"] = {p: data["least_squares"][p] for p in PROBLEMS if p in data["least_squares"]}
+    data["convergence"] = {p: data["convergence"][p] for p in PROBLEMS if p in data["convergence"]}
+    return data
+
+
+def write_report(data: dict, out: str) -> None:
+    """Writes ``prunadag.md`` (tables with the paper's rows interleaved),
+    ``prunadag.json`` and ``prunadag_rho.png`` to ``out`` and prints the tables."""
+    os.makedirs(out, exist_ok=True)
+    runs, iters, lr_iters = data["runs"], data["iters"], data["logreg_iters"]
+    md = (f"## Least squares (rho = ||g(x pruned)||, mean of {runs} runs, at most {iters} iterations)\n\n"
+          f"Rows marked (paper) are the paper's Table 2.\n\n{lsq_markdown(data['least_squares'])}\n\n"
+          f"### Convergence: mean final ||g|| (runs with ||g|| <= 1e-9 / runs, mean steps)\n\n"
+          f"{convergence_markdown(data['convergence'])}\n")
+    if data.get("logistic"):
+        md += (f"\n## Logistic regression (test accuracy after pruning, mean of {runs} runs, {lr_iters} iterations)"
+               f"\n\n{logreg_markdown(data['logistic'])}\n")
+    w = data.get("wall_s", {})
+    md += (f"\nWall time (1 thread, summed over processes): least squares {w.get('least_squares', 0):.0f} s, "
+           f"logistic regression {w.get('logistic', 0):.0f} s.\n")
+    with open(os.path.join(out, "prunadag.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(args.out, "prunadag.json"), "w") as f:
-        json.dump({"least_squares": lsq, "logistic": logreg, "runs": runs, "iters": iters}, f, indent=1)
-    plot_rho(lsq, os.path.join(args.out, "prunadag_rho.png"))
+    with open(os.path.join(out, "prunadag.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    if data["least_squares"]:
+        plot_rho(data["least_squares"], os.path.join(out, "prunadag_rho.png"))
     print(md, flush=True)
-    print(f"wrote {args.out}/prunadag.md, prunadag.json, prunadag_rho.png", flush=True)
+    print(f"wrote {out}/prunadag.md, prunadag.json, prunadag_rho.png", flush=True)
 
 
 register_repro("prunadag", run, "prunAdag paper: least squares A1-A6 (Table 2) and logistic regression (Table 4)",
