@@ -64,20 +64,19 @@ def test_elementwise_tails(n, dtype, noncontig):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vector_exp_over_its_range(dtype):
     # rgf_relu_backward with alpha = 1 and grad = 1 is exp(x) for x <= 0: the
-    # vector exp, relative to float64 exp, down to underflow (exact 0 below).
-    lo = -110.0 if dtype == torch.float32 else -760.0
-    x = torch.cat([torch.linspace(lo, 0.0, 20011, dtype=torch.float64), torch.tensor([-0.0, -1e-30, -1e-8])])
-    x = x.to(dtype)
+    # vector exp, relative to float64 exp, down to the flush to 0 below e^-80
+    # (float) / e^-700 (double) that keeps the kernels free of denormals.
+    flush = -80.0 if dtype == torch.float32 else -700.0
+    x = torch.cat([torch.linspace(flush * 1.1, 0.0, 20011, dtype=torch.float64),
+                   torch.tensor([flush, -0.0, -1e-30, -1e-8], dtype=torch.float64)]).to(dtype)
     got = torch.ops.prunopt.rgf_relu_backward(torch.ones_like(x), x, 1.0).double()
     want = torch.exp(x.double())
-    tiny = torch.finfo(dtype).tiny
-    normal = want >= tiny
-    rel = ((got - want).abs() / want)[normal]
-    ulp = torch.finfo(dtype).eps
-    assert rel.max().item() <= 2 * ulp, rel.max().item()
-    # gradual underflow: within one denormal step, and exactly 0 far below
-    assert ((got - want).abs()[~normal] <= 2 * tiny * ulp).all()
-    assert got[0].item() == 0.0 and (got >= 0).all()
+    kept = x.double() >= flush
+    rel = ((got - want).abs() / want)[kept]
+    assert rel.max().item() <= 2 * torch.finfo(dtype).eps, rel.max().item()
+    # below the flush: 0 (the scalar tail, libm exp, may give the tiny exact value)
+    assert (got[~kept] <= want[~kept] * (1 + 4 * torch.finfo(dtype).eps)).all()
+    assert got[:16].eq(0).all()  # a full vector below the flush
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,8 +91,10 @@ def test_sigmoid_over_the_exp_range(dtype):
     assert rel[want > torch.finfo(dtype).tiny * 4].max().item() <= 3 * ulp
     gw = torch.ops.prunopt.two_temperature_sigmoid_backward(torch.ones_like(w), w, 1.0).double()
     gwant = want * torch.sigmoid(-w.double())  # sigmoid (1 - sigmoid), without the cancellation
-    keep = gwant > torch.finfo(dtype).tiny * 4
+    flush = 80.0 if dtype == torch.float32 else 700.0  # exp(-|w|) is flushed to 0 beyond
+    keep = w.double().abs() <= flush
     assert ((gw - gwant).abs() / gwant)[keep].max().item() <= 4 * ulp
+    assert (gw[~keep] <= gwant[~keep] * (1 + 4 * ulp)).all() and (gw >= 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -142,14 +143,14 @@ def _gate_inputs(groups, n, dtype, signed, seed):
     return alpha.to(dtype), beta.to(dtype)
 
 
-@pytest.mark.parametrize("rgf_alpha", [0.0, 0.1])
-@pytest.mark.parametrize("signed", [True, False])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 1), (5, 3), (37, 9), (3, 4097), (300, 17), (5, 16385), (1, 40001), (3, 33000)],
-    ids=lambda s: f"{s[0]}x{s[1]}",
-)
+_SHORT = [(1, 1), (5, 3), (37, 9), (3, 4097), (300, 17)]
+_LONG = [(5, 16385), (1, 40001), (3, 33000)]
+_LAYOUTS = [(s, d, sg, r) for s in _SHORT for d in DTYPES for sg in (True, False) for r in (0.0, 0.1)]
+_LAYOUTS += [(s, d, sg, 0.1) for s in _LONG for d in DTYPES for sg in (True, False)]
+
+
+@pytest.mark.parametrize("shape,dtype,signed,rgf_alpha", _LAYOUTS,
+                         ids=[f"{s[0]}x{s[1]}-{str(d)[6:]}-{'signed' if sg else 'nonneg'}-{r}" for s, d, sg, r in _LAYOUTS])
 def test_sparse_gate_layouts(shape, dtype, signed, rgf_alpha):
     # (5, 16385): rows longer than the scratch; (1, 40001), (3, 33000): few long
     # groups, each row split into segments over the threads
@@ -209,7 +210,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
         assert torch.allclose(ops.two_temperature_sigmoid_backward(g, w, 2.0).double(),
                               two_temperature_sigmoid_backward_reference(g.double(), w.double(), 2.0),
                               atol=tol * 10, rtol=0)
-    for groups, n in ((7, 9), (1, 40001), (3, 17000)):
+    for groups, n in ((7, 9), (1, 33000)):
         alpha = (torch.randn(groups, n, dtype=torch.float64)).to(dtype)
         beta = torch.full((groups,), -float(torch.log(torch.tensor(float(n)))), dtype=dtype)
         g = torch.randn(groups, n, dtype=torch.float64)

@@ -11,8 +11,10 @@
 //
 // exp: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2/2, then a polynomial
 // (float: Cephes' degree-6 minimax, ~1 ulp; double: Taylor to r^13, truncation
-// < 5e-18, ~1 ulp) and 2^n applied as two power-of-two factors so that the whole
-// range from underflow (exact 0) to overflow (inf) is covered. NaN propagates.
+// < 5e-18, ~1 ulp) and 2^n applied as two power-of-two factors so that the range
+// up to overflow (inf) is covered. Results below e^-80 (float) / e^-700
+// (double) are flushed to 0, so that neither exp nor the products formed with it
+// go denormal (a microcode assist per lane); NaN propagates.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -122,12 +124,17 @@ PRUNOPT_AVX2 inline double hsum(__m256d v) {
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
-// exp of 8 floats. x is clamped to [-104, 89] (exp rounds to 0 below, overflows
-// above), n = round(x log2 e), r = x - n ln2 in two steps (n * 0.693359375 is
+// exp of 8 floats. x is clamped to [-80, 89] (above, the result overflows to
+// inf), n = round(x log2 e), r = x - n ln2 in two steps (n * 0.693359375 is
 // exact), Cephes' expf polynomial, times 2^(n>>1) 2^(n - n>>1) (both factors
-// normal for n in [-150, 128]).
+// normal). Below x = -80 (exp = 1.8e-35) the result is flushed to 0: denormal
+// results -- of exp itself or of the products the kernels form with it (rgf_alpha
+// exp(u) g) -- cost a microcode assist per lane, ~100x the arithmetic; what the
+// flush drops is below 1.8e-35 relative to the O(1) terms it is added to.
 PRUNOPT_AVX2 inline __m256 vexp(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+  const __m256 lo = _mm256_set1_ps(-80.0f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_NLT_UQ);  // x >= lo or NaN
+  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(lo, x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -145,7 +152,7 @@ PRUNOPT_AVX2 inline __m256 vexp(__m256 x) {
   const __m256i bias = _mm256_set1_epi32(127);
   const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
   const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+  return _mm256_and_ps(keep, _mm256_mul_ps(_mm256_mul_ps(y, s1), s2));
 }
 
 // 2^k for integral doubles k with k + 1023 in [1, 2046]: k is moved into the
@@ -155,11 +162,14 @@ PRUNOPT_AVX2 inline __m256d vpow2i(__m256d k) {
   return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(bits, _mm256_set1_epi64x(1023)), 52));
 }
 
-// exp of 4 doubles: x clamped to [-746, 710], n = round(x log2 e), r = x - n ln2
+// exp of 4 doubles: x clamped to [-708, 710], n = round(x log2 e), r = x - n ln2
 // with fdlibm's split ln2 (n * ln2_hi exact), Taylor polynomial to r^13 by
-// Horner with FMA, times 2^floor(n/2) 2^(n - floor(n/2)).
+// Horner with FMA, times 2^floor(n/2) 2^(n - floor(n/2)). Below x = -700
+// (exp = 9.9e-305) the result is flushed to 0, as for float.
 PRUNOPT_AVX2 inline __m256d vexp(__m256d x) {
-  x = _mm256_min_pd(_mm256_set1_pd(710.0), _mm256_max_pd(_mm256_set1_pd(-746.0), x));
+  const __m256d lo = _mm256_set1_pd(-700.0);
+  const __m256d keep = _mm256_cmp_pd(x, lo, _CMP_NLT_UQ);  // x >= lo or NaN
+  x = _mm256_min_pd(_mm256_set1_pd(710.0), _mm256_max_pd(lo, x));
   const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
@@ -181,7 +191,7 @@ PRUNOPT_AVX2 inline __m256d vexp(__m256d x) {
   const __m256d y = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
   const __m256d n1 = _mm256_floor_pd(_mm256_mul_pd(n, _mm256_set1_pd(0.5)));
   const __m256d n2 = _mm256_sub_pd(n, n1);
-  return _mm256_mul_pd(_mm256_mul_pd(y, vpow2i(n1)), vpow2i(n2));
+  return _mm256_and_pd(keep, _mm256_mul_pd(_mm256_mul_pd(y, vpow2i(n1)), vpow2i(n2)));
 }
 
 // The slope of the thresholding relu in the backward pass (eq. 15), as
