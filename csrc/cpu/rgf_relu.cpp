@@ -4,7 +4,6 @@
 // (prunopt/sparsification_simd.h), everything else the scalar math of
 // prunopt/sparsification.h.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "prunopt/sparsification.h"
@@ -49,30 +48,17 @@ struct RgfBackwardOp {
 #endif
 };
 
-at::Tensor rgf_relu_cpu(const at::Tensor& x_in, double alpha) {
-  check_float_tensor(x_in, "x", "rgf_relu");
+at::Tensor rgf_relu_cpu(const at::Tensor& x, double alpha) {
+  check_float_tensor(x, "x", "rgf_relu");
   check_rgf_alpha(alpha, "rgf_relu");
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rgf_relu", [&] {
-    simd::map_unary(x.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), x.numel(), kGrainForward,
-        ReluOp{});
-  });
-  return y;
+  return simd::map_unary(x, kGrainForward, ReluOp{});
 }
 
-at::Tensor rgf_relu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& x_in, double alpha) {
-  check_float_tensor(x_in, "x", "rgf_relu_backward");
-  check_like(grad_in, x_in, "grad", "x", "rgf_relu_backward");
+at::Tensor rgf_relu_backward_cpu(const at::Tensor& grad, const at::Tensor& x, double alpha) {
+  check_float_tensor(x, "x", "rgf_relu_backward");
+  check_like(grad, x, "grad", "x", "rgf_relu_backward");
   check_rgf_alpha(alpha, "rgf_relu_backward");
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor g = grad_in.contiguous();
-  at::Tensor gx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rgf_relu_backward", [&] {
-    simd::map_binary(g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), gx.mutable_data_ptr<scalar_t>(),
-        x.numel(), kGrainBackward, RgfBackwardOp{alpha});
-  });
-  return gx;
+  return simd::map_binary(grad, x, kGrainBackward, RgfBackwardOp{alpha});
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 // of AVX2 when the CPU has it (prunopt/sparsification_simd.h), everything else
 // the scalar math of prunopt/sparsification.h.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "prunopt/sparsification.h"
@@ -55,31 +54,18 @@ struct SigmoidSlopeOp {
 #endif
 };
 
-at::Tensor two_temperature_sigmoid_cpu(const at::Tensor& w_in, double t_l, double t_s) {
-  check_float_tensor(w_in, "w", "two_temperature_sigmoid");
+at::Tensor two_temperature_sigmoid_cpu(const at::Tensor& w, double t_l, double t_s) {
+  check_float_tensor(w, "w", "two_temperature_sigmoid");
   check_temperature(t_l, "t_l", "two_temperature_sigmoid");
   check_temperature(t_s, "t_s", "two_temperature_sigmoid");
-  const at::Tensor w = w_in.contiguous();
-  at::Tensor v = at::empty_like(w, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "two_temperature_sigmoid", [&] {
-    simd::map_unary(w.const_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(), w.numel(), kGrain,
-        SigmoidOp{t_l});
-  });
-  return v;
+  return simd::map_unary(w, kGrain, SigmoidOp{t_l});
 }
 
-at::Tensor two_temperature_sigmoid_backward_cpu(const at::Tensor& grad_in, const at::Tensor& w_in, double t_s) {
-  check_float_tensor(w_in, "w", "two_temperature_sigmoid_backward");
-  check_like(grad_in, w_in, "grad", "w", "two_temperature_sigmoid_backward");
+at::Tensor two_temperature_sigmoid_backward_cpu(const at::Tensor& grad, const at::Tensor& w, double t_s) {
+  check_float_tensor(w, "w", "two_temperature_sigmoid_backward");
+  check_like(grad, w, "grad", "w", "two_temperature_sigmoid_backward");
   check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward");
-  const at::Tensor w = w_in.contiguous();
-  const at::Tensor g = grad_in.contiguous();
-  at::Tensor gw = at::empty_like(w, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "two_temperature_sigmoid_backward", [&] {
-    simd::map_binary(g.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), gw.mutable_data_ptr<scalar_t>(),
-        w.numel(), kGrain, SigmoidSlopeOp{t_s});
-  });
-  return gw;
+  return simd::map_binary(grad, w, kGrain, SigmoidSlopeOp{t_s});
 }
 
 }  // namespace

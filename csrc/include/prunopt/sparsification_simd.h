@@ -17,6 +17,8 @@
 // go denormal (a microcode assist per lane); NaN propagates.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -258,6 +260,31 @@ void map_binary(const scalar_t* a, const scalar_t* b, scalar_t* y, int64_t n, in
       y[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i])));
     }
   });
+}
+
+// Tensor level: y = op(x) / y = op(a, b) into a new contiguous tensor
+// (half/bfloat16/float/double; the inputs are validated by the caller; a and b
+// have the same shape and dtype). The CPU twin of cuda::map_unary/map_binary.
+template <typename Op>
+at::Tensor map_unary(const at::Tensor& x_in, int64_t grain, const Op& op) {
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "prunopt_map_unary", [&] {
+    map_unary(x.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), x.numel(), grain, op);
+  });
+  return y;
+}
+
+template <typename Op>
+at::Tensor map_binary(const at::Tensor& a_in, const at::Tensor& b_in, int64_t grain, const Op& op) {
+  const at::Tensor a = a_in.contiguous();
+  const at::Tensor b = b_in.contiguous();
+  at::Tensor y = at::empty_like(b, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "prunopt_map_binary", [&] {
+    map_binary(a.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), b.numel(),
+        grain, op);
+  });
+  return y;
 }
 
 }  // namespace simd
