@@ -7,9 +7,20 @@ a float64 reference) before timing ``forward + backward`` and the forward alone
 with torch.utils.benchmark in one process. Fused and composed are timed in
 alternation for ``ROUNDS`` rounds and each keeps its smallest median, so a burst
 of load on a shared machine hits both sides alike; it reports those medians and
-the ratios composed / fused (> 1: the fused kernel is faster).
+the ratios composed / fused (> 1: the fused kernel is faster), with the load
+average beside them.
+
+On an oversubscribed machine wall-clock figures with 2 threads are dominated by
+scheduler time slices (every parallel region waits for both threads).
+``python -m bench.bench_gates --cpu-time`` prints a second table that is immune
+to that: one thread, the smallest per-call CPU time (``time.thread_time``) of
+each side.
 """
 from __future__ import annotations
+
+import argparse
+import os
+import time
 
 import torch
 
@@ -72,7 +83,9 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             f_f, f_c = _paired_times(lambda: fused(*inputs), lambda: composed(*inputs), min_time, threads, rounds)
         rows.append(dict(op=name, size=size, fused_ms=t_f * 1e3, composed_ms=t_c * 1e3, speedup=t_c / t_f,
                          fwd_fused_ms=f_f * 1e3, fwd_composed_ms=f_c * 1e3, fwd_speedup=f_c / f_f))
-    notes = ("forward+backward (fused_ms, composed_ms, speedup) and forward alone under no_grad (fwd_*), float32, "
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    notes = (f"load average (1, 5, 15 min) at the end: {load} on {os.cpu_count()} logical CPUs. "
+             "forward+backward (fused_ms, composed_ms, speedup) and forward alone under no_grad (fwd_*), float32, "
              "CPU; fused = prunopt kernels, composed = the plain-PyTorch autograd composition in prunopt.reference "
              "(straight-through relu/elu and sigmoid pairs); speedup = composed/fused; each figure is the smallest "
              f"median of {rounds} alternating rounds. "
@@ -80,3 +93,41 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
     return write_results("gates", rows, environment(threads), notes, out,
                          columns=["op", "size", "fused_ms", "composed_ms", "speedup", "fwd_fused_ms", "fwd_composed_ms",
                                   "fwd_speedup"])
+
+
+def _cpu_min(fn, budget: float = 0.4) -> float:
+    """Smallest CPU time of one call of ``fn`` (this thread), over ``budget`` seconds of calls."""
+    fn()
+    best, spent, calls = float("inf"), 0.0, 0
+    while spent < budget or calls < 5:
+        t = time.thread_time()
+        fn()
+        d = time.thread_time() - t
+        best, spent, calls = min(best, d), spent + d, calls + 1
+    return best
+
+
+def cpu_time_table(quick: bool = False) -> str:
+    """Markdown table of 1-thread CPU times, fused vs composed (forward+backward and forward)."""
+    torch.set_num_threads(1)
+    lines = ["| op | size | fused ms | composed ms | speedup | fwd fused ms | fwd composed ms | fwd speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, size, fused, composed, shapes in _cases(quick):
+        gen = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(s, generator=gen).requires_grad_(True) for s in shapes]
+        grad = torch.randn(shapes[0], generator=gen)
+        t_f = _cpu_min(lambda: _fwd_bwd(fused, inputs, grad))
+        t_c = _cpu_min(lambda: _fwd_bwd(composed, inputs, grad))
+        with torch.no_grad():
+            f_f, f_c = _cpu_min(lambda: fused(*inputs)), _cpu_min(lambda: composed(*inputs))
+        lines.append(f"| {name} | {size} | {t_f * 1e3:.3f} | {t_c * 1e3:.3f} | {t_c / t_f:.2f} | {f_f * 1e3:.3f} | "
+                     f"{f_c * 1e3:.3f} | {f_c / f_f:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-time", action="store_true", help="1-thread CPU-time table (printed, not written)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    print(cpu_time_table(args.quick) if args.cpu_time else run(quick=args.quick))
