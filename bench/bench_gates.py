@@ -83,8 +83,12 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             f_f, f_c = _paired_times(lambda: fused(*inputs), lambda: composed(*inputs), min_time, threads, rounds)
         rows.append(dict(op=name, size=size, fused_ms=t_f * 1e3, composed_ms=t_c * 1e3, speedup=t_c / t_f,
                          fwd_fused_ms=f_f * 1e3, fwd_composed_ms=f_c * 1e3, fwd_speedup=f_c / f_f))
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    notes = (f"load average (1, 5, 15 min) at the end: {load} on {os.cpu_count()} logical CPUs. "
+    loadavg = os.getloadavg()
+    load = ", ".join(f"{v:.1f}" for v in loadavg)
+    busy = (" The machine was oversubscribed: wall-clock figures are dominated by scheduler time slices (multiples "
+            "of ~4-16 ms); compare with `python -m bench.bench_gates --cpu-time` or rerun on an idle machine."
+            if loadavg[0] > (os.cpu_count() or 1) else "")
+    notes = (f"load average (1, 5, 15 min) at the end: {load} on {os.cpu_count()} logical CPUs.{busy} "
              "forward+backward (fused_ms, composed_ms, speedup) and forward alone under no_grad (fwd_*), float32, "
              "CPU; fused = prunopt kernels, composed = the plain-PyTorch autograd composition in prunopt.reference "
              "(straight-through relu/elu and sigmoid pairs); speedup = composed/fused; each figure is the smallest "
