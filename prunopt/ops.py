@@ -288,6 +288,9 @@ def sparse_gate(
         raise ValueError(f"beta must have the dtype of alpha ({alpha.dtype}), got {beta.dtype}")
     if beta.device != alpha.device:
         raise ValueError(f"beta must be on the device of alpha ({alpha.device}), got {beta.device}")
+    if alpha.dim() == 2 and dim in (-1, 1) and alpha.device.type in _GATE_DEVICES:
+        # (groups, n) already: no views around the kernel (they cost as much as a small kernel)
+        return torch.ops.prunopt.sparse_gate(alpha, beta, signed, rgf_alpha)
     moved = alpha.movedim(dim, -1)
     if alpha.device.type in _GATE_DEVICES:
         a = torch.ops.prunopt.sparse_gate(moved.reshape(-1, n), beta.reshape(-1), signed, rgf_alpha)

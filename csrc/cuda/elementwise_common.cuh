@@ -1,10 +1,16 @@
-// Launch helpers shared by the CUDA kernels of the sparsification ops.
+// Launch helpers shared by the CUDA kernels of the sparsification ops: the
+// stream/guard/launch-check macros, a block-wide double sum, and grid-stride
+// elementwise maps (map_unary / map_binary) used by rgf_relu and
+// two_temperature_sigmoid.
 //
 // A CUDA build of torch ships c10/cuda; the CPU build used by the compile-only
 // check (tools/check_cuda.sh) does not, so there the kernels are launched on the
 // default stream without a device guard. Real builds always take the first branch.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -51,6 +57,61 @@ __device__ __forceinline__ double block_sum(double v, double* smem) {
   const double r = smem[0];
   __syncthreads();
   return r;
+}
+
+// Grid-stride elementwise kernels: y = op(x), y = op(a, b), computed in opmath.
+template <typename scalar_t, typename Op>
+__global__ void unary_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t n, Op op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)blockDim.x * gridDim.x) {
+    y[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(x[i])));
+  }
+}
+
+template <typename scalar_t, typename Op>
+__global__ void binary_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+    scalar_t* __restrict__ y, int64_t n, Op op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)blockDim.x * gridDim.x) {
+    y[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i])));
+  }
+}
+
+// y = Op<opmath_t>{params...}(x) elementwise into a new contiguous tensor, on
+// the current stream of x's device; half/bfloat16/float/double. The inputs are
+// validated by the caller.
+template <template <typename> class Op, typename... Params>
+at::Tensor map_unary(const at::Tensor& x_in, Params... params) {
+  PRUNOPT_DEVICE_GUARD(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t n = x.numel();
+  if (n == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "prunopt_map_unary_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    unary_kernel<scalar_t><<<num_blocks(n), kThreads, 0, PRUNOPT_CUDA_STREAM()>>>(
+        x.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), n, Op<opmath_t>{static_cast<opmath_t>(params)...});
+  });
+  PRUNOPT_LAUNCH_CHECK();
+  return y;
+}
+
+// y = Op<opmath_t>{params...}(a, b) elementwise; a and b have the same shape and dtype.
+template <template <typename> class Op, typename... Params>
+at::Tensor map_binary(const at::Tensor& a_in, const at::Tensor& b_in, Params... params) {
+  PRUNOPT_DEVICE_GUARD(b_in.device());
+  const at::Tensor a = a_in.contiguous();
+  const at::Tensor b = b_in.contiguous();
+  at::Tensor y = at::empty_like(b, at::MemoryFormat::Contiguous);
+  const int64_t n = b.numel();
+  if (n == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "prunopt_map_binary_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    binary_kernel<scalar_t><<<num_blocks(n), kThreads, 0, PRUNOPT_CUDA_STREAM()>>>(a.const_data_ptr<scalar_t>(),
+        b.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), n, Op<opmath_t>{static_cast<opmath_t>(params)...});
+  });
+  PRUNOPT_LAUNCH_CHECK();
+  return y;
 }
 
 }  // namespace cuda

@@ -40,9 +40,9 @@ __global__ void gate_forward_kernel(const scalar_t* __restrict__ alpha, const sc
   double t = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) t += sp::relu(exp(static_cast<double>(al[i])) - th);
   const double T = block_sum(t, smem);
-  const double inv = 1.0 / (T > 0 ? T : 1.0);
+  const double Ts = T > 0 ? T : 1.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    o[i] = static_cast<scalar_t>(sp::relu(exp(static_cast<double>(al[i])) - th) * inv);
+    o[i] = static_cast<scalar_t>(sp::relu(exp(static_cast<double>(al[i])) - th) / Ts);
   }
 }
 
@@ -69,11 +69,12 @@ __global__ void gate_backward_kernel(const scalar_t* __restrict__ grad, const sc
       p += static_cast<double>(g[i]) * sp::sign(x) * sp::rgf_slope(fabs(x) - th, rgf_alpha);
     }
     const double P = block_sum(p, smem);
+    // dalpha = sign (t - s P) with t = g sign d, as on the CPU
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
       const double x = static_cast<double>(al[i]);
       const double sg = sp::sign(x);
-      ga[i] = static_cast<scalar_t>(static_cast<double>(g[i]) * sp::rgf_slope(fabs(x) - th, rgf_alpha) * sg * sg -
-          s * sg * P);
+      const double t = static_cast<double>(g[i]) * sg * sp::rgf_slope(fabs(x) - th, rgf_alpha);
+      ga[i] = static_cast<scalar_t>(sg * (t - s * P));
     }
     if (threadIdx.x == 0) gbeta[r] = static_cast<scalar_t>(-ds * L * P);
     return;
@@ -91,14 +92,15 @@ __global__ void gate_backward_kernel(const scalar_t* __restrict__ grad, const sc
   const double T = block_sum(t, smem);
   const double Ts = T > 0 ? T : 1.0;
   const double gdota = block_sum(w, smem) / Ts;
+  const double inv_ts = 1.0 / Ts;
   double q = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    q += (static_cast<double>(g[i]) - gdota) / Ts * sp::rgf_slope(exp(static_cast<double>(al[i])) - th, rgf_alpha);
+    q += (static_cast<double>(g[i]) - gdota) * inv_ts * sp::rgf_slope(exp(static_cast<double>(al[i])) - th, rgf_alpha);
   }
   const double Q = block_sum(q, smem);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const double gamma = exp(static_cast<double>(al[i]));
-    const double qi = (static_cast<double>(g[i]) - gdota) / Ts * sp::rgf_slope(gamma - th, rgf_alpha);
+    const double qi = (static_cast<double>(g[i]) - gdota) * inv_ts * sp::rgf_slope(gamma - th, rgf_alpha);
     ga[i] = static_cast<scalar_t>(gamma * (qi - s * Q));
   }
   if (threadIdx.x == 0) gbeta[r] = static_cast<scalar_t>(-ds * G * Q);
