@@ -6,6 +6,8 @@ Three custom ops (schemas in ``csrc/ops.cpp``):
 * ``prunopt::fb_reconstruct(coefficients, basis, mask)``: the fused
   reconstruction ``h = (lam * mu) @ basis`` (eq. 4), the training path's only
   extra work before ``conv2d``.
+* ``prunopt::fb_reconstruct_backward(grad_h, coefficients, basis, mask,
+  output_mask)``: its gradients (eq. 7, A.13, A.14) in one fused pass.
 * ``prunopt::fb_conv2d(input, coefficients, basis, mask, bias, stride, padding,
   dilation, groups, max_density)``: eq. 6/8. If the mask density is at most
   ``max_density`` the kernel computes eq. 8 over the non-zero coefficients
@@ -15,7 +17,7 @@ Three custom ops (schemas in ``csrc/ops.cpp``):
   sparse path on coefficients already compressed by :func:`fb_compress` (what
   ``FBConv2d`` caches in inference), so the CSR is not rebuilt per call.
 
-All three have autograd (eq. 7, A.12-A.14), fake kernels and a pure-PyTorch
+All of them have autograd (eq. 7, A.12-A.14), fake kernels and a pure-PyTorch
 fallback (``prunopt.reference.interspace``) when the extension is missing.
 """
 from __future__ import annotations
@@ -29,12 +31,13 @@ from torch import Tensor
 from prunopt._extension import extension_available
 from prunopt.reference.interspace import (
     _pair,
+    fb_coefficient_grads_reference,
     fb_conv2d_sparse_reference,
     fb_reconstruct_reference,
     validate_fb_args,
 )
 
-__all__ = ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "AUTO_MAX_DENSITY"]
+__all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "AUTO_MAX_DENSITY"]
 
 #: ``path="auto"`` uses the sparse kernel (eq. 8) when no gradient is needed and
 #: the density of the mask is at most this (measured on VGG16-CIFAR layers at
@@ -54,6 +57,7 @@ def _kernel_devices(op: str) -> frozenset:
 
 
 _RECON_DEVICES = _kernel_devices("fb_reconstruct")
+_RECON_BWD_DEVICES = _kernel_devices("fb_reconstruct_backward")
 _CONV_DEVICES = _kernel_devices("fb_conv2d")
 _CSR_DEVICES = _kernel_devices("fb_conv2d_csr")
 
@@ -83,6 +87,41 @@ def fb_reconstruct(coefficients: Tensor, basis: Tensor, mask: Optional[Tensor] =
     if coefficients.device.type in _RECON_DEVICES:
         return torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
     return fb_reconstruct_reference(coefficients, basis, mask)
+
+
+def fb_reconstruct_backward(grad_h: Tensor, coefficients: Tensor, basis: Tensor, mask: Optional[Tensor] = None,
+                            output_mask=(True, True)):
+    r"""Gradients of :func:`fb_reconstruct` from ``dL/dh`` (eq. 7, A.13, A.14), fused.
+
+    .. math::
+        \frac{\partial L}{\partial \lambda_n^{(o,i)}} = \mu_n^{(o,i)} \langle g^{(n)},
+            \tfrac{\partial L}{\partial h^{(o,i)}} \rangle, \qquad
+        \frac{\partial L}{\partial g^{(n)}} = \sum_{o,i} \lambda_n^{(o,i)} \mu_n^{(o,i)}
+            \tfrac{\partial L}{\partial h^{(o,i)}}
+
+    One pass over ``dL/dh``, ``lam`` and ``mu``; the basis gradient is summed in
+    short float blocks added in double.
+
+    Args:
+        grad_h: ``(C_out, C_in/groups, kh, kw)``, the gradient of the filters.
+        coefficients, basis, mask: as :func:`fb_reconstruct`.
+        output_mask: which of ``(dL/dlam, dL/dbasis)`` to compute; the others are ``None``.
+
+    Returns:
+        ``(dL/dlam, dL/dbasis)`` of the shapes of ``coefficients`` and ``basis``.
+    """
+    validate_fb_args(None, coefficients, basis, mask)
+    if not isinstance(grad_h, Tensor):
+        raise TypeError(f"grad_h must be a Tensor, got {type(grad_h).__name__}")
+    filters = (coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
+    if tuple(grad_h.shape) != filters:
+        raise ValueError(f"grad_h must have the shape of the filters {filters}, got {tuple(grad_h.shape)}")
+    if grad_h.dtype != coefficients.dtype or grad_h.device != coefficients.device:
+        raise ValueError(f"grad_h must have the dtype and device of coefficients ({coefficients.dtype}, "
+                         f"{coefficients.device}), got {grad_h.dtype}, {grad_h.device}")
+    if len(output_mask) != 2 or not all(isinstance(b, bool) for b in output_mask):
+        raise TypeError(f"output_mask must be two bools, got {output_mask!r}")
+    return _reconstruct_grads(grad_h, coefficients, basis, _mask_like(mask, coefficients), *output_mask)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -230,33 +269,21 @@ def fb_conv_out_shape(input: Tensor, c_out, basis: Tensor, stride, padding, dila
 
 # -- autograd (eq. 7, A.12-A.14) ---------------------------------------------------------------
 
-def _reconstruct_grads(grad_h: Tensor, lam_mu: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool, need_basis: bool):
+def _reconstruct_grads(grad_h: Tensor, coefficients: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool,
+                       need_basis: bool):
     """``dL/dlam = <g^(n), dL/dh> * mu`` (eq. 7, A.13) and ``dL/dg^(n) = sum lam mu dL/dh`` (A.14).
 
-    The first is the reconstruction kernel applied to ``dL/dh`` with the
-    transposed basis (``(M, K) @ (K, N)``); the second a batched product over
-    output channels, ``sum_o lam_mu[o]^T @ dL/dh[o]``.
+    One fused pass over ``dL/dh``, ``lam`` and ``mu`` (``prunopt::fb_reconstruct_backward``);
+    the outputs not needed are ``None`` and not computed.
     """
-    n = basis.shape[0]
-    c_out, c_in_g = lam_mu.shape[:2]
-    k = grad_h.shape[2] * grad_h.shape[3]
-    gh = grad_h.reshape(c_out, c_in_g, k)
-    g_lam = g_basis = None
-    if need_lam:
-        basis_t = basis.reshape(n, k).T.reshape(k, 1, n).contiguous()
-        if grad_h.device.type in _RECON_DEVICES:
-            g_lam = torch.ops.prunopt.fb_reconstruct(gh.contiguous(), basis_t, None).reshape(lam_mu.shape)
-        else:
-            g_lam = (gh.reshape(-1, k) @ basis.reshape(n, k).T).reshape(lam_mu.shape)
-        if mask is not None:
-            g_lam = g_lam * mask
-    if need_basis:
-        g_basis = torch.bmm(lam_mu.transpose(1, 2), gh).sum(0).reshape(basis.shape)
-    return g_lam, g_basis
-
-
-def _masked(coefficients: Tensor, mask: Optional[Tensor]) -> Tensor:
-    return coefficients if mask is None else coefficients * mask
+    if not (need_lam or need_basis):
+        return None, None
+    if grad_h.device.type in _RECON_BWD_DEVICES:
+        g_lam, g_basis = torch.ops.prunopt.fb_reconstruct_backward(grad_h, coefficients, basis, mask,
+                                                                   [need_lam, need_basis])
+        return (g_lam if need_lam else None), (g_basis if need_basis else None)
+    g_lam, g_basis = fb_coefficient_grads_reference(grad_h, coefficients, basis, mask)
+    return (g_lam if need_lam else None), (g_basis if need_basis else None)
 
 
 def _conv_backward(grad: Tensor, input: Tensor, h: Tensor, has_bias: bool, stride, padding, dilation, groups, needs):
@@ -274,9 +301,38 @@ def _fb_reconstruct_setup(ctx, inputs, output):
 
 def _fb_reconstruct_backward(ctx, grad_h):
     coefficients, basis, mask = ctx.saved_tensors
-    g_lam, g_basis = _reconstruct_grads(grad_h, _masked(coefficients, mask), basis, mask,
-                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    g_lam, g_basis = _reconstruct_grads(grad_h, coefficients, basis, mask, ctx.needs_input_grad[0],
+                                        ctx.needs_input_grad[1])
     return g_lam, g_basis, None
+
+
+def _fb_reconstruct_backward_setup(ctx, inputs, output):
+    grad_h, coefficients, basis, mask, output_mask = inputs
+    ctx.save_for_backward(grad_h, coefficients, basis, mask)
+    ctx.output_mask = tuple(output_mask)
+
+
+def _fb_reconstruct_backward_backward(ctx, gg_lam, gg_basis):
+    """Double backward: both outputs are bilinear in ``dL/dh`` and ``(lam, g)``,
+    so their gradients are the two FB ops again (with the upstream gradient in
+    the place of the coefficients or of the basis)."""
+    grad_h, coefficients, basis, mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    a = gg_lam if ctx.output_mask[0] and gg_lam is not None else None  # upstream of dL/dlam
+    bb = gg_basis if ctx.output_mask[1] and gg_basis is not None else None  # upstream of dL/dg
+    op = torch.ops.prunopt
+    d_gh = d_lam = d_basis = None
+    if need[0]:
+        d_gh = torch.zeros_like(grad_h)
+        if a is not None:
+            d_gh = d_gh + op.fb_reconstruct(a, basis, mask)
+        if bb is not None:
+            d_gh = d_gh + op.fb_reconstruct(coefficients, bb, mask)
+    if need[1] and bb is not None:
+        d_lam = op.fb_reconstruct_backward(grad_h, coefficients, bb, mask, [True, False])[0]
+    if need[2] and a is not None:
+        d_basis = op.fb_reconstruct_backward(grad_h, a, basis, mask, [False, True])[1]
+    return d_gh, d_lam, d_basis, None, None
 
 
 def _fb_conv2d_setup(ctx, inputs, output):
@@ -289,13 +345,10 @@ def _fb_conv2d_backward(ctx, grad):
     input, coefficients, basis, mask = ctx.saved_tensors
     has_bias, stride, padding, dilation, groups = ctx.conv
     need = ctx.needs_input_grad
-    lam_mu = _masked(coefficients, mask)
     h = torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
     g_in, g_h, g_b = _conv_backward(grad.contiguous(), input, h, has_bias, stride, padding, dilation, groups,
                                     (need[0], need[1] or need[2], need[4]))
-    g_lam = g_basis = None
-    if need[1] or need[2]:
-        g_lam, g_basis = _reconstruct_grads(g_h, lam_mu, basis, mask, need[1], need[2])
+    g_lam, g_basis = _reconstruct_grads(g_h, coefficients, basis, mask, need[1], need[2])
     return g_in, g_lam, g_basis, None, g_b, None, None, None, None, None
 
 
@@ -330,7 +383,10 @@ def _fb_conv2d_csr_backward(ctx, grad):
 
 
 def register_fb_autograd() -> None:
-    """Registers the backward formulas above for the three FB ops."""
+    """Registers the backward formulas above for the four FB ops."""
     torch.library.register_autograd("prunopt::fb_reconstruct", _fb_reconstruct_backward, setup_context=_fb_reconstruct_setup)
+    if hasattr(torch.ops.prunopt, "fb_reconstruct_backward"):
+        torch.library.register_autograd("prunopt::fb_reconstruct_backward", _fb_reconstruct_backward_backward,
+                                        setup_context=_fb_reconstruct_backward_setup)
     torch.library.register_autograd("prunopt::fb_conv2d", _fb_conv2d_backward, setup_context=_fb_conv2d_setup)
     torch.library.register_autograd("prunopt::fb_conv2d_csr", _fb_conv2d_csr_backward, setup_context=_fb_conv2d_csr_setup)
