@@ -28,6 +28,8 @@
 //
 // The vector loops are compiled twice, for the baseline ISA of the build and
 // for AVX2+FMA, and picked at run time (the extension is built for x86-64).
+// The 3x3 basis in float (every 3x3 FB layer in training) has its own AVX2
+// loops with the basis held in registers (see forward_3x3_avx2).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -41,6 +43,10 @@
 #include <vector>
 
 #include "prunopt/fb_checks.h"
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace prunopt {
 namespace cpu {
@@ -263,6 +269,121 @@ __attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs<scalar
 }
 #endif
 
+#ifdef PRUNOPT_X86_DISPATCH
+// ---- the 3x3 basis (N = K = 9) in float with AVX2: a row is one vector + one lane --------------
+//
+// The eight taps / coefficients 0..7 of a row are one vector, the ninth a
+// scalar, so no read or write leaves the row. The basis stays in registers;
+// the ninth column is a horizontal sum. This is the shape of every 3x3 FB
+// layer in training, where these kernels must run at memory speed.
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// g: 9 x 9 doubles (row n = g^(n)).
+__attribute__((target("avx2,fma"))) void forward_3x3_avx2(const float* lam, const float* mu, const double* g,
+                                                         float* h, int64_t r0, int64_t r1) {
+  __m256 G[9];
+  alignas(32) float tmp[8];
+  for (int n = 0; n < 9; ++n) {
+    for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(g[n * 9 + k]);
+    G[n] = _mm256_load_ps(tmp);
+  }
+  for (int n = 0; n < 8; ++n) tmp[n] = static_cast<float>(g[n * 9 + 8]);
+  const __m256 g8 = _mm256_load_ps(tmp);  // column 8, n = 0..7
+  const float g88 = static_cast<float>(g[80]);
+  alignas(32) float cb[8];
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* lr = lam + r * 9;
+    __m256 c = _mm256_loadu_ps(lr);
+    float c8 = lr[8];
+    if (mu) {
+      c = _mm256_mul_ps(c, _mm256_loadu_ps(mu + r * 9));
+      c8 *= mu[r * 9 + 8];
+    }
+    _mm256_store_ps(cb, c);
+    __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c8), G[8]);
+    for (int n = 0; n < 8; ++n) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(cb + n), G[n], acc);
+    const float h8 = hsum8(_mm256_mul_ps(c, g8)) + c8 * g88;
+    _mm256_storeu_ps(h + r * 9, acc);
+    h[r * 9 + 8] = h8;
+  }
+}
+
+// dlam (may be null) and dg (9 x 9 doubles, added to; may be null) of rows [r0, r1).
+__attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, const float* lam, const float* mu,
+    const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
+  alignas(32) float tmp[8];
+  __m256 GT[9];  // GT[k] = (g[0][k], ..., g[7][k])
+  for (int k = 0; k < 9; ++k) {
+    for (int n = 0; n < 8; ++n) tmp[n] = static_cast<float>(g[n * 9 + k]);
+    GT[k] = _mm256_load_ps(tmp);
+  }
+  for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(g[72 + k]);
+  const __m256 g8row = _mm256_load_ps(tmp);  // g[8][0..7]
+  const float g88 = static_cast<float>(g[80]);
+  alignas(32) float buf[8];
+  for (int64_t b0 = r0; b0 < r1; b0 += kBlockRows) {
+    const int64_t b1 = std::min(r1, b0 + kBlockRows);
+    if (dlam) {  // dlam[n] = mu[n] <g[n], dh>: a K-sum per coefficient
+      for (int64_t r = b0; r < b1; ++r) {
+        const float* dr = dh + r * 9;
+        const __m256 d = _mm256_loadu_ps(dr);
+        const float d8 = dr[8];
+        _mm256_store_ps(buf, d);
+        __m256 acc = _mm256_mul_ps(_mm256_set1_ps(d8), GT[8]);
+        for (int k = 0; k < 8; ++k) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(buf + k), GT[k], acc);
+        float l8 = hsum8(_mm256_mul_ps(d, g8row)) + d8 * g88;
+        if (mu) {
+          acc = _mm256_mul_ps(acc, _mm256_loadu_ps(mu + r * 9));
+          l8 *= mu[r * 9 + 8];
+        }
+        _mm256_storeu_ps(dlam + r * 9, acc);
+        dlam[r * 9 + 8] = l8;
+      }
+    }
+    if (dg) {  // dg[n][k] += c[n] dh[k] over the block (rows still in L1), then into double
+      __m256 A[8], A8 = _mm256_setzero_ps(), Acol = _mm256_setzero_ps();
+      for (int n = 0; n < 8; ++n) A[n] = _mm256_setzero_ps();
+      float a88 = 0.f;
+      for (int64_t r = b0; r < b1; ++r) {
+        const float* lr = lam + r * 9;
+        __m256 c = _mm256_loadu_ps(lr);
+        float c8 = lr[8];
+        if (mu) {
+          c = _mm256_mul_ps(c, _mm256_loadu_ps(mu + r * 9));
+          c8 *= mu[r * 9 + 8];
+        }
+        const __m256 d = _mm256_loadu_ps(dh + r * 9);
+        const float d8 = dh[r * 9 + 8];
+        _mm256_store_ps(buf, c);
+        for (int n = 0; n < 8; ++n) A[n] = _mm256_fmadd_ps(_mm256_broadcast_ss(buf + n), d, A[n]);
+        A8 = _mm256_fmadd_ps(_mm256_set1_ps(c8), d, A8);
+        Acol = _mm256_fmadd_ps(c, _mm256_set1_ps(d8), Acol);
+        a88 += c8 * d8;
+      }
+      for (int n = 0; n < 8; ++n) {
+        _mm256_store_ps(tmp, A[n]);
+        for (int k = 0; k < 8; ++k) dg[n * 9 + k] += tmp[k];
+      }
+      _mm256_store_ps(tmp, A8);
+      for (int k = 0; k < 8; ++k) dg[72 + k] += tmp[k];
+      _mm256_store_ps(tmp, Acol);
+      for (int n = 0; n < 8; ++n) dg[n * 9 + 8] += tmp[n];
+      dg[80] += a88;
+    }
+  }
+}
+
+template <typename scalar_t>
+bool use_3x3(const Dims& d) {
+  return std::is_same<scalar_t, float>::value && d.n == 9 && d.k == 9 && use_avx2();
+}
+#endif
+
 // Vectors per row for the vector path, or 0 for the scalar loops.
 template <typename scalar_t>
 int vectors_per_row(const Dims& d) {
@@ -296,6 +417,16 @@ void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, 
     });
     return;
   }
+#ifdef PRUNOPT_X86_DISPATCH
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (use_3x3<scalar_t>(d)) {
+      at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+        forward_3x3_avx2(lam, mu, g, h, r0, r1);
+      });
+      return;
+    }
+  }
+#endif
   if constexpr (kVectorised<scalar_t>) {
     const auto gpad = padded<scalar_t>(g, d.n, d.k, c * kLanes<scalar_t>, false);
     at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
@@ -327,6 +458,14 @@ void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const sc
         backward_rows_scalar(dh, lam, mu, g, d, dlam, dgc, r0, r1);
         continue;
       }
+#ifdef PRUNOPT_X86_DISPATCH
+      if constexpr (std::is_same<scalar_t, float>::value) {
+        if (use_3x3<scalar_t>(d)) {
+          backward_3x3_avx2(dh, lam, mu, g, dlam, dgc, r0, r1);
+          continue;
+        }
+      }
+#endif
       if constexpr (kVectorised<scalar_t>) {
         BackwardArgs<scalar_t> a{dh, lam, mu, gtpad.data(), d, dlam, dgc};
 #ifdef PRUNOPT_X86_DISPATCH
