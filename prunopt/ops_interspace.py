@@ -37,13 +37,45 @@ from prunopt.reference.interspace import (
     validate_fb_args,
 )
 
-__all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "AUTO_MAX_DENSITY"]
+__all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "sparse_is_faster",
+           "auto_max_density"]
 
-#: ``path="auto"`` uses the sparse kernel (eq. 8) when no gradient is needed and
-#: the density of the mask is at most this (measured on VGG16-CIFAR layers at
-#: batch 1, bench/bench_fb_conv2d.py; the kernel falls back to reconstruct +
-#: conv2d above it).
-AUTO_MAX_DENSITY = 0.3
+# -- the cost model of path="auto" (docs/interspace.md, "Choosing the path") --------------------
+# Time of one call in units of one multiply-add of the dense conv2d (oneDNN) on
+# the CPU, fitted to single-thread measurements of the kernels on the VGG16-CIFAR
+# layers at batch 1 (bench/bench_fb_conv2d.py, tools in docs/interspace.md):
+#   dense  = C_out C_in/g K P + DENSE_PER_WEIGHT C_out C_in/g K
+#   sparse = SPARSE_PER_MAC nnz P + MAPS_PER_MAC C_in N K P + SPARSE_PER_NNZ nnz + SPARSE_FIXED
+# with P the output positions (batch x Ho x Wo). The dense per-weight term is
+# conv2d reading (and reordering) its filters, which dominates at tiny P.
+COST_SPARSE_PER_MAC = 2.5
+COST_MAPS_PER_MAC = 1.0
+COST_SPARSE_PER_NNZ = 2.0
+COST_SPARSE_FIXED = 2000.0
+COST_DENSE_PER_WEIGHT = 2.0
+
+
+def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int) -> bool:
+    """The cost model of ``path="auto"``: True when eq. 8 over ``nnz`` stored
+    coefficients is predicted to beat reconstruct + ``conv2d`` for ``positions``
+    output positions (batch x Ho x Wo); see the constants ``COST_*`` above."""
+    dense = c_out * c_in_g * k * (positions + COST_DENSE_PER_WEIGHT)
+    sparse = (nnz * (COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ) + COST_MAPS_PER_MAC * c_in * n * k * positions
+              + COST_SPARSE_FIXED)
+    return sparse < dense
+
+
+def auto_max_density(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int) -> float:
+    """The largest density ``nnz / (C_out C_in/g N)`` for which
+    :func:`sparse_is_faster` holds (the ``max_density`` that ``path="auto"``
+    passes to the kernel); negative when the sparse path never wins."""
+    total = c_out * c_in_g * n
+    if total == 0:
+        return 1.0
+    dense = c_out * c_in_g * k * (positions + COST_DENSE_PER_WEIGHT)
+    fixed = COST_MAPS_PER_MAC * c_in * n * k * positions + COST_SPARSE_FIXED
+    per_nnz = COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ
+    return (dense - fixed) / per_nnz / total
 
 
 def _kernel_devices(op: str) -> frozenset:
@@ -60,6 +92,11 @@ _RECON_DEVICES = _kernel_devices("fb_reconstruct")
 _RECON_BWD_DEVICES = _kernel_devices("fb_reconstruct_backward")
 _CONV_DEVICES = _kernel_devices("fb_conv2d")
 _CSR_DEVICES = _kernel_devices("fb_conv2d_csr")
+
+
+def has_csr_kernel(input: Tensor) -> bool:
+    """Whether ``prunopt::fb_conv2d_csr`` has a kernel for ``input``'s device."""
+    return input.device.type in _CSR_DEVICES
 
 
 def _mask_like(mask: Optional[Tensor], coefficients: Tensor) -> Optional[Tensor]:
@@ -161,7 +198,8 @@ def fb_conv2d(
             input channel, a CSR × dense product); ``"auto"`` (default) takes
             the dense path when a gradient is needed and otherwise lets the
             kernel choose sparse when the mask density is at most
-            :data:`AUTO_MAX_DENSITY`. All paths agree to rounding and are
+            :func:`auto_max_density` of the layer and input (the cost model
+            :func:`sparse_is_faster`). All paths agree to rounding and are
             differentiable (eq. 7, A.12-A.14).
     """
     stride, padding, dilation, groups = validate_fb_args(input, coefficients, basis, mask, bias, stride, padding, dilation, groups)
@@ -170,7 +208,14 @@ def fb_conv2d(
     mask = _mask_like(mask, coefficients)
     if path == "dense" or (path == "auto" and _needs_grad(input, coefficients, basis, bias)):
         return F.conv2d(input, fb_reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
-    max_density = 1.0 if path == "sparse" else AUTO_MAX_DENSITY
+    if path == "sparse":
+        max_density = 1.0
+    else:
+        ho, wo = fb_conv_out_shape(input if input.dim() == 4 else input.unsqueeze(0), 1, basis, stride, padding,
+                                   dilation)[2:]
+        batch = input.shape[0] if input.dim() == 4 else 1
+        max_density = auto_max_density(coefficients.shape[0], coefficients.shape[1] * groups, coefficients.shape[1],
+                                       basis.shape[0], basis.shape[1] * basis.shape[2], batch * ho * wo)
     if input.device.type in _CONV_DEVICES:
         batched = input.dim() == 4
         x = input if batched else input.unsqueeze(0)

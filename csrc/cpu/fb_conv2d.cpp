@@ -111,15 +111,31 @@ __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, 
     constexpr int kBytes = W * sizeof(scalar_t) < 32 ? W * sizeof(scalar_t) : 32;
     typedef scalar_t V __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
     constexpr int kVecs = W * sizeof(scalar_t) / kBytes;
-    V acc[kVecs];
-    for (int i = 0; i < kVecs; ++i) acc[i] = V{} + b0;
-    for (int64_t e = 0; e < count; ++e) {
+    // narrow tiles (few vectors) keep U independent sums so that the FMA
+    // latency, not the throughput, is not what bounds a long row
+    constexpr int U = kVecs >= 4 ? 1 : 4 / kVecs;
+    V acc[U][kVecs];
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < kVecs; ++i) acc[u][i] = V{};
+    int64_t e = 0;
+    for (; e + U <= count; e += U) {
+      for (int u = 0; u < U; ++u) {
+        const V vw = V{} + w(e + u);
+        const V* r = reinterpret_cast<const V*>(row(e + u));
+        for (int i = 0; i < kVecs; ++i) acc[u][i] += vw * r[i];
+      }
+    }
+    for (; e < count; ++e) {
       const V vw = V{} + w(e);
       const V* r = reinterpret_cast<const V*>(row(e));
-      for (int i = 0; i < kVecs; ++i) acc[i] += vw * r[i];
+      for (int i = 0; i < kVecs; ++i) acc[0][i] += vw * r[i];
     }
     V* o = reinterpret_cast<V*>(out);
-    for (int i = 0; i < kVecs; ++i) o[i] = acc[i];
+    for (int i = 0; i < kVecs; ++i) {
+      V sum = V{} + b0;
+      for (int u = 0; u < U; ++u) sum += acc[u][i];
+      o[i] = sum;
+    }
   } else {
     float acc[W];
     for (int p = 0; p < W; ++p) acc[p] = static_cast<float>(b0);
@@ -170,7 +186,16 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   scalar_t* z = A.z;
   const scalar_t* gs = A.gs;
   const uint8_t* used = A.used;
-  std::vector<scalar_t> colbuf(identity ? 0 : K * P + kTile);
+  // stride 1 (any dilation): the taps of a zero-padded copy of the channel are
+  // shifts of one flat array, so Z[c, n] is a K-term sum of shifted rows over
+  // q = oy * Wp + ox (Wp = padded width), then the Wo valid columns are kept
+  const bool direct = !identity && G.sh == 1 && G.sw == 1;
+  const int64_t Hp = G.h + 2 * G.ph, Wp = G.w + 2 * G.pw, L = G.ho * Wp;
+  std::vector<scalar_t> colbuf(identity ? 0 : direct ? Hp * Wp + L + 2 * kTile : K * P + kTile);
+  std::vector<int64_t> offs(K);
+  for (int64_t ky = 0; ky < G.kh; ++ky)
+    for (int64_t kx = 0; kx < G.kw; ++kx) offs[ky * G.kw + kx] = ky * G.dh * Wp + kx * G.dw;
+  if (direct) std::fill(colbuf.begin(), colbuf.end(), scalar_t(0));
   for (int64_t bc = t0; bc < t1; ++bc) {
     const int64_t c = bc % G.c_in;
     const uint8_t* uc = used + c * N;
@@ -180,19 +205,40 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
     scalar_t* zc = z + bc * N * P;
     // unused maps are never read for a valid output, only W-wide over-reads
     // of a neighbour row touch them: zeros keep those lanes finite
+    const int64_t head = std::min<int64_t>(P, kTile);
     if (!any) {
-      std::fill(zc, zc + N * P, scalar_t(0));
+      for (int64_t n = 0; n < N; ++n) std::fill(zc + n * P, zc + n * P + head, scalar_t(0));
       continue;
     }
     if (identity) {  // Z[c] is the im2col of X[c]
       im2col_channel(xc, G, taps, zc);
       continue;
     }
+    if (direct) {
+      scalar_t* xp = colbuf.data();  // Hp x Wp, zero border (set once)
+      scalar_t* t = xp + Hp * Wp + kTile;  // L outputs over padded rows
+      for (int64_t y = 0; y < G.h; ++y) std::copy(xc + y * G.w, xc + (y + 1) * G.w, xp + (y + G.ph) * Wp + G.pw);
+      const int64_t* off = offs.data();
+      for (int64_t n = 0; n < N; ++n) {
+        scalar_t* zn = zc + n * P;
+        if (!uc[n]) {
+          std::fill(zn, zn + head, scalar_t(0));
+          continue;
+        }
+        const scalar_t* gn = gs + n * K;
+        for (int64_t q0 = 0; q0 < L; q0 += W) {
+          tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
+              [&](int64_t k) -> const scalar_t* { return xp + q0 + off[k]; }, t + q0);
+        }
+        for (int64_t oy = 0; oy < G.ho; ++oy) std::copy(t + oy * Wp, t + oy * Wp + G.wo, zn + oy * G.wo);
+      }
+      continue;
+    }
     scalar_t* col = colbuf.data();
     im2col_channel(xc, G, taps, col);
     for (int64_t n = 0; n < N; ++n) {
       if (!uc[n]) {
-        std::fill(zc + n * P, zc + (n + 1) * P, scalar_t(0));
+        std::fill(zc + n * P, zc + n * P + head, scalar_t(0));
         continue;
       }
       const scalar_t* gn = gs + n * K;
@@ -208,14 +254,21 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   }
 }
 
+// Tile width of the maps: over P outputs, or over the padded rows (stride 1).
+template <typename scalar_t>
+int maps_width(const MapsArgs<scalar_t>& a) {
+  const Geometry& G = *a.G;
+  const bool direct = !a.identity && G.sh == 1 && G.sw == 1;
+  return tile_width(direct ? G.ho * (G.w + 2 * G.pw) : G.p());
+}
 template <typename scalar_t>
 void maps_default(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), maps_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(maps_width(a), maps_body<scalar_t, W>(a, t0, t1))
 }
 #ifdef PRUNOPT_X86_DISPATCH
 template <typename scalar_t>
 __attribute__((target("avx2,fma"))) void maps_avx2(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), maps_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(maps_width(a), maps_body<scalar_t, W>(a, t0, t1))
 }
 #endif
 
