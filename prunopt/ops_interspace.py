@@ -41,40 +41,48 @@ __all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compres
            "auto_max_density"]
 
 # -- the cost model of path="auto" (docs/interspace.md, "Choosing the path") --------------------
-# Time of one call in units of one multiply-add of the dense conv2d (oneDNN) on
-# the CPU, fitted to single-thread measurements of the kernels on the VGG16-CIFAR
-# layers at batch 1 (bench/bench_fb_conv2d.py, tools in docs/interspace.md):
-#   dense  = C_out C_in/g K P + DENSE_PER_WEIGHT C_out C_in/g K
-#   sparse = SPARSE_PER_MAC nnz P + MAPS_PER_MAC C_in N K P + SPARSE_PER_NNZ nnz + SPARSE_FIXED
-# with P the output positions (batch x Ho x Wo). The dense per-weight term is
-# conv2d reading (and reordering) its filters, which dominates at tiny P.
+# Time of one call in units of one multiply-add of the dense conv2d (oneDNN) at
+# large images, least-squares fitted to single-thread timings of both paths on
+# the VGG16-CIFAR layers (3x3, orthonormal basis, batch 1, densities 0.03-0.7;
+# the fit picks the faster path in 42 of 45 cases, the other 3 within 10%):
+#   dense  = W (P + DENSE_SMALL_IMAGE / P_image)         W = C_out C_in/g K
+#   sparse = SPARSE_PER_MAC nnz P + SPARSE_PER_NNZ nnz + MAPS_PER_MAC C_in N K P + SPARSE_FIXED
+# with P the output positions (batch x Ho x Wo) and P_image = Ho x Wo. The
+# dense small-image term is conv2d's poor efficiency on 4x4 and 2x2 images; the
+# sparse per-nnz term the CSR walk, the fixed term allocation and dispatch.
 COST_SPARSE_PER_MAC = 2.5
-COST_MAPS_PER_MAC = 1.0
-COST_SPARSE_PER_NNZ = 2.0
-COST_SPARSE_FIXED = 2000.0
-COST_DENSE_PER_WEIGHT = 2.0
+COST_SPARSE_PER_NNZ = 40.0
+COST_MAPS_PER_MAC = 0.3
+COST_SPARSE_FIXED = 2.2e6
+COST_DENSE_SMALL_IMAGE = 200.0
 
 
-def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int) -> bool:
+def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int):
+    dense = c_out * c_in_g * k * (positions + COST_DENSE_SMALL_IMAGE / max(1, image_positions))
+    per_nnz = COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ
+    fixed = COST_MAPS_PER_MAC * c_in * n * k * positions + COST_SPARSE_FIXED
+    return dense, per_nnz, fixed
+
+
+def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
+                     image_positions: Optional[int] = None) -> bool:
     """The cost model of ``path="auto"``: True when eq. 8 over ``nnz`` stored
     coefficients is predicted to beat reconstruct + ``conv2d`` for ``positions``
-    output positions (batch x Ho x Wo); see the constants ``COST_*`` above."""
-    dense = c_out * c_in_g * k * (positions + COST_DENSE_PER_WEIGHT)
-    sparse = (nnz * (COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ) + COST_MAPS_PER_MAC * c_in * n * k * positions
-              + COST_SPARSE_FIXED)
-    return sparse < dense
+    output positions (batch x Ho x Wo; ``image_positions`` = Ho x Wo, default
+    ``positions``). See the ``COST_*`` constants."""
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
+    return nnz * per_nnz + fixed < dense
 
 
-def auto_max_density(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int) -> float:
+def auto_max_density(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
+                     image_positions: Optional[int] = None) -> float:
     """The largest density ``nnz / (C_out C_in/g N)`` for which
-    :func:`sparse_is_faster` holds (the ``max_density`` that ``path="auto"``
-    passes to the kernel); negative when the sparse path never wins."""
+    :func:`sparse_is_faster` holds: the ``max_density`` that ``path="auto"``
+    passes to the kernel (negative when the sparse path never wins)."""
     total = c_out * c_in_g * n
     if total == 0:
         return 1.0
-    dense = c_out * c_in_g * k * (positions + COST_DENSE_PER_WEIGHT)
-    fixed = COST_MAPS_PER_MAC * c_in * n * k * positions + COST_SPARSE_FIXED
-    per_nnz = COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
     return (dense - fixed) / per_nnz / total
 
 
@@ -215,7 +223,7 @@ def fb_conv2d(
                                    dilation)[2:]
         batch = input.shape[0] if input.dim() == 4 else 1
         max_density = auto_max_density(coefficients.shape[0], coefficients.shape[1] * groups, coefficients.shape[1],
-                                       basis.shape[0], basis.shape[1] * basis.shape[2], batch * ho * wo)
+                                       basis.shape[0], basis.shape[1] * basis.shape[2], batch * ho * wo, ho * wo)
     if input.device.type in _CONV_DEVICES:
         batched = input.dim() == 4
         x = input if batched else input.unsqueeze(0)

@@ -83,6 +83,9 @@ void im2col_channel(const scalar_t* xc, const Geometry& G, const std::vector<Tap
 }
 
 constexpr int64_t kTile = 64;  // outputs per register tile
+// outputs per tile of the mix: the Z slice of a tile (C_in N kMixTile values) is
+// re-read by every output channel and must stay in L2
+constexpr int64_t kMixTile = 32;
 
 // The hot loops are compiled twice, for the baseline ISA of the build and for
 // AVX2+FMA, and picked at run time (the extension is built for generic x86-64).
@@ -149,9 +152,9 @@ __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, 
 }
 
 // Tile width for P outputs per channel: kTile, or the power of two >= P.
-inline int tile_width(int64_t P) {
+inline int tile_width(int64_t P, int64_t max_width = kTile) {
   int w = 4;
-  while (w < kTile && w < P) w *= 2;
+  while (w < max_width && w < P) w *= 2;
   return w;
 }
 
@@ -331,12 +334,12 @@ __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, 
 
 template <typename scalar_t>
 void mix_default(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), mix_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p(), kMixTile), mix_body<scalar_t, W>(a, t0, t1))
 }
 #ifdef PRUNOPT_X86_DISPATCH
 template <typename scalar_t>
 __attribute__((target("avx2,fma"))) void mix_avx2(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), mix_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p(), kMixTile), mix_body<scalar_t, W>(a, t0, t1))
 }
 #endif
 
@@ -346,7 +349,7 @@ template <typename scalar_t>
 void csr_mix(const scalar_t* z, const Geometry& G, const int32_t* crow, const int32_t* col, const scalar_t* val,
              const scalar_t* bias, scalar_t* y) {
   const int64_t P = G.p();
-  const int64_t tiles = (P + tile_width(P) - 1) / tile_width(P);
+  const int64_t tiles = (P + tile_width(P, kMixTile) - 1) / tile_width(P, kMixTile);
   const int64_t tasks = G.batch * tiles * G.c_out;
   const int64_t nnz = crow[G.c_out];
   const int64_t work_per_task = std::max<int64_t>(1, (nnz / std::max<int64_t>(1, G.c_out) + 1) * std::min(P, kTile));
@@ -371,7 +374,6 @@ Geometry geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_ou
 at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const at::Tensor& col,
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
   auto y = at::empty({G.batch, G.c_out, G.ho, G.wo}, input.options());
-  if (y.numel() == 0) return y;
   auto x = input.contiguous();
   auto g = basis.to(at::kDouble).contiguous();
   const double* gp = g.data_ptr<double>();
@@ -379,15 +381,26 @@ at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const
   bool identity = G.n == G.kh * G.kw;
   for (int64_t n = 0; identity && n < G.n; ++n)
     for (int64_t k = 0; k < G.n; ++k) identity = identity && gp[n * G.n + k] == (n == k ? 1.0 : 0.0);
-  // maps (c, n) used by some non-zero coefficient
+  // maps (c, n) used by some non-zero coefficient; the column indices are
+  // checked here, in the same pass (a malformed CSR is an error, never an
+  // out-of-bounds access)
   const int32_t* cp = col.data_ptr<int32_t>();
   const int32_t* rp = crow.data_ptr<int32_t>();
   const int64_t c_out_g = G.c_out / G.groups, c_in_g = G.c_in_g();
+  const uint32_t row_len = static_cast<uint32_t>(c_in_g * G.n);
   std::vector<uint8_t> used(G.c_in * G.n, 0);
+  uint32_t bad = 0;
   for (int64_t o = 0; o < G.c_out; ++o) {
-    const int64_t base = (o / c_out_g) * c_in_g * G.n;
-    for (int64_t e = rp[o]; e < rp[o + 1]; ++e) used[base + cp[e]] = 1;
+    uint8_t* ug = used.data() + (o / c_out_g) * c_in_g * G.n;
+    for (int64_t e = rp[o]; e < rp[o + 1]; ++e) {
+      const uint32_t j = static_cast<uint32_t>(cp[e]);  // negative -> huge
+      const uint32_t ok = j < row_len;
+      bad |= ok ^ 1u;
+      ug[ok ? j : 0] = static_cast<uint8_t>(ug[ok ? j : 0] | ok);
+    }
   }
+  TORCH_CHECK_VALUE(!bad, "fb_conv2d_csr: col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
+  if (y.numel() == 0) return y;
   // padded by kTile elements: tiles read rows W wide (only valid outputs are kept)
   auto z = at::empty({G.batch * G.c_in * G.n * G.p() + kTile}, input.options());
   z.narrow(0, z.numel() - kTile, kTile).zero_();
@@ -477,16 +490,11 @@ at::Tensor fb_conv2d_csr_cpu(const at::Tensor& input, const at::Tensor& crow_ind
   auto col = col_indices.contiguous();
   // a malformed CSR must be an error, never an out-of-bounds read
   const int32_t* rp = crow.data_ptr<int32_t>();
-  const int32_t* cp = col.data_ptr<int32_t>();
   TORCH_CHECK_VALUE(rp[0] == 0 && rp[c_out] == col.numel(), op,
       ": crow_indices must start at 0 and end at nnz = ", col.numel());
   for (int64_t o = 0; o < c_out; ++o) {
     TORCH_CHECK_VALUE(rp[o] <= rp[o + 1], op, ": crow_indices must be non-decreasing");
   }
-  const int64_t row_len = c_in_g * basis.size(0);
-  int32_t bad = 0;
-  for (int64_t e = 0; e < col.numel(); ++e) bad |= static_cast<int32_t>(cp[e] < 0 || cp[e] >= row_len);
-  TORCH_CHECK_VALUE(!bad, op, ": col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
   const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
   return sparse_forward(input, crow, col, values.contiguous(), basis, bias, G);
 }

@@ -262,9 +262,9 @@ class FBConv2d(nn.Module):
             hw = input.shape[-2:]
             ho = (hw[0] + 2 * padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
             wo = (hw[1] + 2 * padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
-            positions = (input.shape[0] if batched else 1) * max(ho, 0) * max(wo, 0)
+            image = max(ho, 0) * max(wo, 0)
             sparse = ops_interspace.sparse_is_faster(comp.values.numel(), c_out, c_in_g * self.groups, c_in_g, n,
-                                                     kh * kw, positions)
+                                                     kh * kw, (input.shape[0] if batched else 1) * image, image)
         else:
             sparse = True  # a bad input: let the op raise its error
         if not sparse:
