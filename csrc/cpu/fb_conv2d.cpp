@@ -381,25 +381,28 @@ at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const
   bool identity = G.n == G.kh * G.kw;
   for (int64_t n = 0; identity && n < G.n; ++n)
     for (int64_t k = 0; k < G.n; ++k) identity = identity && gp[n * G.n + k] == (n == k ? 1.0 : 0.0);
-  // maps (c, n) used by some non-zero coefficient; the column indices are
-  // checked here, in the same pass (a malformed CSR is an error, never an
-  // out-of-bounds access)
+  // the column indices are checked first (a malformed CSR is an error, never
+  // an out-of-bounds access): a max over them, which vectorises
   const int32_t* cp = col.data_ptr<int32_t>();
   const int32_t* rp = crow.data_ptr<int32_t>();
+  const int64_t nnz = col.numel();
   const int64_t c_out_g = G.c_out / G.groups, c_in_g = G.c_in_g();
   const uint32_t row_len = static_cast<uint32_t>(c_in_g * G.n);
-  std::vector<uint8_t> used(G.c_in * G.n, 0);
-  uint32_t bad = 0;
-  for (int64_t o = 0; o < G.c_out; ++o) {
-    uint8_t* ug = used.data() + (o / c_out_g) * c_in_g * G.n;
-    for (int64_t e = rp[o]; e < rp[o + 1]; ++e) {
-      const uint32_t j = static_cast<uint32_t>(cp[e]);  // negative -> huge
-      const uint32_t ok = j < row_len;
-      bad |= ok ^ 1u;
-      ug[ok ? j : 0] = static_cast<uint8_t>(ug[ok ? j : 0] | ok);
+  uint32_t max_col = 0;
+  for (int64_t e = 0; e < nnz; ++e) max_col = std::max(max_col, static_cast<uint32_t>(cp[e]));  // negative -> huge
+  TORCH_CHECK_VALUE(nnz == 0 || max_col < row_len,
+      "fb_conv2d_csr: col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
+  // maps (c, n) used by some non-zero coefficient. The scan costs about as
+  // much per non-zero as a small image's mix, so when computing every map is
+  // cheaper than scanning (small images, many non-zeros) all are marked used.
+  const bool scan = G.c_in * G.n * G.kh * G.kw * G.p() * G.batch > 4 * nnz;
+  std::vector<uint8_t> used(G.c_in * G.n, scan ? 0 : 1);
+  if (scan) {
+    for (int64_t o = 0; o < G.c_out; ++o) {
+      uint8_t* ug = used.data() + (o / c_out_g) * c_in_g * G.n;
+      for (int64_t e = rp[o]; e < rp[o + 1]; ++e) ug[cp[e]] = 1;
     }
   }
-  TORCH_CHECK_VALUE(!bad, "fb_conv2d_csr: col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
   if (y.numel() == 0) return y;
   // padded by kTile elements: tiles read rows W wide (only valid outputs are kept)
   auto z = at::empty({G.batch * G.c_in * G.n * G.p() + kTile}, input.options());
