@@ -2,10 +2,13 @@
 // pruning eq. 6, 8 and Alg. 1).
 //
 // Sparse path, for masked coefficients in CSR form (row o, column i*N + n):
-//   1. basis maps  Z[b, c, n, p] = (g[n] * X[b, c])[p]  -- im2col of X fused with
-//      the K^2 x N transform: for every non-zero g[n, k] one shifted, strided
-//      axpy of an input row into Z (Alg. 1 l. 7-8). Only the maps (c, n) that
-//      some non-zero coefficient uses are computed.
+//   1. basis maps  Z[b, c, n, p] = (g[n] * X[b, c])[p]  (Alg. 1 l. 7-8): for
+//      stride 1 a K-term sum of shifted rows of a zero-padded copy of X[b, c],
+//      otherwise im2col followed by the K^2 x N transform. Only the maps (c, n)
+//      that some non-zero coefficient uses are computed (when the scan for them
+//      is cheaper than computing all). Z is stored tile-major,
+//      [b][tile of the mix][c][n][tile width], so the slice one output tile
+//      reads is contiguous (no 4 KiB-strided rows aliasing in L1/L2).
 //   2. mix  Y[b, o, p] = bias[o] + sum_{e in row o} val[e] * Z[b, g(o), col[e], p]
 //      (eq. 8, Alg. 1 l. 9-10): a CSR x dense product. Tasks are (batch, tile of
 //      P, output channel) with the channel innermost, so one tile of Z stays in
@@ -194,65 +197,67 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   // q = oy * Wp + ox (Wp = padded width), then the Wo valid columns are kept
   const bool direct = !identity && G.sh == 1 && G.sw == 1;
   const int64_t Hp = G.h + 2 * G.ph, Wp = G.w + 2 * G.pw, L = G.ho * Wp;
-  std::vector<scalar_t> colbuf(identity ? 0 : direct ? Hp * Wp + L + 2 * kTile : K * P + kTile);
+  std::vector<scalar_t> colbuf(direct ? Hp * Wp + L + 2 * kTile : K * P + kTile);
   std::vector<int64_t> offs(K);
   for (int64_t ky = 0; ky < G.kh; ++ky)
     for (int64_t kx = 0; kx < G.kw; ++kx) offs[ky * G.kw + kx] = ky * G.dh * Wp + kx * G.dw;
   if (direct) std::fill(colbuf.begin(), colbuf.end(), scalar_t(0));
+  // Z is tile-major: [b][tile of Wz outputs][c][n][Wz], so the slice of Z that
+  // one output tile of the mix reads is contiguous (C_in N Wz values)
+  const int64_t Wz = tile_width(P, kMixTile), T = (P + Wz - 1) / Wz;
+  std::vector<scalar_t> rowbuf(P + kTile);
+  auto store = [&](int64_t b, int64_t c, int64_t n, const scalar_t* row) __attribute__((always_inline)) {
+    for (int64_t tl = 0; tl < T; ++tl) {
+      const int64_t p0 = tl * Wz, len = std::min<int64_t>(Wz, P - p0);
+      std::copy(row + p0, row + p0 + len, z + (((b * T + tl) * G.c_in + c) * N + n) * Wz);
+    }
+  };
   for (int64_t bc = t0; bc < t1; ++bc) {
-    const int64_t c = bc % G.c_in;
+    const int64_t c = bc % G.c_in, b = bc / G.c_in;
     const uint8_t* uc = used + c * N;
     bool any = false;
     for (int64_t n = 0; n < N; ++n) any |= uc[n] != 0;
     const scalar_t* xc = x + bc * G.h * G.w;
-    scalar_t* zc = z + bc * N * P;
-    // unused maps are never read for a valid output, only W-wide over-reads
-    // of a neighbour row touch them: zeros keep those lanes finite
-    const int64_t head = std::min<int64_t>(P, kTile);
-    if (!any) {
-      for (int64_t n = 0; n < N; ++n) std::fill(zc + n * P, zc + n * P + head, scalar_t(0));
-      continue;
-    }
+    // unused maps are never read: the mix reads only stored columns, within their tile slot
+    if (!any) continue;
     if (identity) {  // Z[c] is the im2col of X[c]
-      im2col_channel(xc, G, taps, zc);
+      scalar_t* col = colbuf.data();
+      im2col_channel(xc, G, taps, col);
+      for (int64_t n = 0; n < N; ++n)
+        if (uc[n]) store(b, c, n, col + n * P);
       continue;
     }
+    scalar_t* row = rowbuf.data();
     if (direct) {
       scalar_t* xp = colbuf.data();  // Hp x Wp, zero border (set once)
       scalar_t* t = xp + Hp * Wp + kTile;  // L outputs over padded rows
       for (int64_t y = 0; y < G.h; ++y) std::copy(xc + y * G.w, xc + (y + 1) * G.w, xp + (y + G.ph) * Wp + G.pw);
       const int64_t* off = offs.data();
       for (int64_t n = 0; n < N; ++n) {
-        scalar_t* zn = zc + n * P;
-        if (!uc[n]) {
-          std::fill(zn, zn + head, scalar_t(0));
-          continue;
-        }
+        if (!uc[n]) continue;
         const scalar_t* gn = gs + n * K;
         for (int64_t q0 = 0; q0 < L; q0 += W) {
           tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
               [&](int64_t k) -> const scalar_t* { return xp + q0 + off[k]; }, t + q0);
         }
-        for (int64_t oy = 0; oy < G.ho; ++oy) std::copy(t + oy * Wp, t + oy * Wp + G.wo, zn + oy * G.wo);
+        for (int64_t oy = 0; oy < G.ho; ++oy) std::copy(t + oy * Wp, t + oy * Wp + G.wo, row + oy * G.wo);
+        store(b, c, n, row);
       }
       continue;
     }
     scalar_t* col = colbuf.data();
     im2col_channel(xc, G, taps, col);
     for (int64_t n = 0; n < N; ++n) {
-      if (!uc[n]) {
-        std::fill(zc + n * P, zc + n * P + head, scalar_t(0));
-        continue;
-      }
+      if (!uc[n]) continue;
       const scalar_t* gn = gs + n * K;
-      scalar_t* zn = zc + n * P;
       for (int64_t p0 = 0; p0 < P; p0 += W) {
         const int64_t len = std::min<int64_t>(W, P - p0);
         scalar_t out[W];
         tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
             [&](int64_t k) -> const scalar_t* { return col + k * P + p0; }, out);
-        std::copy(out, out + len, zn + p0);
+        std::copy(out, out + len, row + p0);
       }
+      store(b, c, n, row);
     }
   }
 }
@@ -323,11 +328,11 @@ __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, 
     const int64_t tl = bt % tiles, b = bt / tiles;
     const int64_t p0 = tl * W, len = std::min<int64_t>(W, P - p0);
     const scalar_t b0 = bias ? bias[o] : scalar_t(0);
-    const scalar_t* zg = z + (b * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * P + p0;
+    const scalar_t* zg = z + ((b * tiles + tl) * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * W;
     const int32_t e0 = crow[o];
     scalar_t out[W];
     tile_sum<scalar_t, W>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
-        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * P; }, out);
+        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * W; }, out);
     std::copy(out, out + len, y + (b * G.c_out + o) * P + p0);
   }
 }
@@ -404,9 +409,9 @@ at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const
     }
   }
   if (y.numel() == 0) return y;
-  // padded by kTile elements: tiles read rows W wide (only valid outputs are kept)
-  auto z = at::empty({G.batch * G.c_in * G.n * G.p() + kTile}, input.options());
-  z.narrow(0, z.numel() - kTile, kTile).zero_();
+  // tile-major (see maps_body): whole tiles of the mix width
+  const int64_t wz = tile_width(G.p(), kMixTile);
+  auto z = at::empty({G.batch * ((G.p() + wz - 1) / wz) * wz * G.c_in * G.n}, input.options());
   auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "fb_conv2d", [&] {
     basis_maps<scalar_t>(x.data_ptr<scalar_t>(), G, gp, identity, used, z.data_ptr<scalar_t>());
