@@ -44,17 +44,17 @@ __all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compres
 # Time of one call in units of one multiply-add of the dense conv2d (oneDNN) at
 # large images, least-squares fitted to single-thread timings of both paths on
 # the VGG16-CIFAR layers (3x3, orthonormal basis, batch 1, densities 0.03-0.7;
-# the fit picks the faster path in 42 of 45 cases, the other 3 within 10%):
+# the fit picks the faster path in 41 of 45 cases, the other 4 within 8%):
 #   dense  = W (P + DENSE_SMALL_IMAGE / P_image)         W = C_out C_in/g K
 #   sparse = SPARSE_PER_MAC nnz P + SPARSE_PER_NNZ nnz + MAPS_PER_MAC C_in N K P + SPARSE_FIXED
 # with P the output positions (batch x Ho x Wo) and P_image = Ho x Wo. The
 # dense small-image term is conv2d's poor efficiency on 4x4 and 2x2 images; the
 # sparse per-nnz term the CSR walk, the fixed term allocation and dispatch.
-COST_SPARSE_PER_MAC = 2.5
-COST_SPARSE_PER_NNZ = 40.0
-COST_MAPS_PER_MAC = 0.3
-COST_SPARSE_FIXED = 2.2e6
-COST_DENSE_SMALL_IMAGE = 200.0
+COST_SPARSE_PER_MAC = 2.2
+COST_SPARSE_PER_NNZ = 29.0
+COST_MAPS_PER_MAC = 0.36
+COST_SPARSE_FIXED = 2.1e6
+COST_DENSE_SMALL_IMAGE = 160.0
 
 
 def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int):
