@@ -29,6 +29,10 @@ TORCH_LIBRARY(prunopt, m) {
   // csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops.py.
   // h = einsum("oin,nkl->oikl", lam * mu, basis)   (eq. 4)
   m.def("fb_reconstruct(Tensor coefficients, Tensor basis, Tensor? mask) -> Tensor");
+  // its backward (eq. 7, A.13, A.14): (dL/dlam * mu, dL/dbasis) from dL/dh; an
+  // output whose output_mask entry is false is returned empty (numel 0).
+  m.def("fb_reconstruct_backward(Tensor grad_h, Tensor coefficients, Tensor basis, Tensor? mask, "
+        "bool[2] output_mask) -> (Tensor, Tensor)");
   // eq. 6/8: sparse (eq. 8, Alg. 1) when density(lam * mu) <= max_density,
   // else reconstruct + conv2d. Input (B, C_in, H, W); output contiguous.
   m.def("fb_conv2d(Tensor input, Tensor coefficients, Tensor basis, Tensor? mask, Tensor? bias, "

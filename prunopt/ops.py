@@ -103,7 +103,7 @@ if extension_available():
 
 # ---------------------------------------------------------------------------
 # Interspace pruning: filter-basis convolution (SPEC.md §3, issue 4).
-# Ops: fb_reconstruct (fused eq. 4), fb_conv2d (eq. 6/8, dense or sparse path
+# Ops: fb_reconstruct (fused eq. 4) and its fused backward (eq. 7, A.13-A.14), fb_conv2d (eq. 6/8, dense or sparse path
 # chosen by density inside the kernel), fb_conv2d_csr (eq. 8 on a cached CSR).
 # ---------------------------------------------------------------------------
 from prunopt.ops_interspace import (  # noqa: E402
@@ -112,9 +112,10 @@ from prunopt.ops_interspace import (  # noqa: E402
     fb_conv2d,
     fb_conv2d_compressed,
     fb_reconstruct,
+    fb_reconstruct_backward,
 )
 
-__all__ += ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed"]
+__all__ += ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed"]
 
 if extension_available() and hasattr(torch.ops.prunopt, "fb_conv2d"):
     from prunopt.ops_interspace import fb_conv_out_shape as _fb_conv_out_shape  # noqa: E402
@@ -123,6 +124,13 @@ if extension_available() and hasattr(torch.ops.prunopt, "fb_conv2d"):
     @torch.library.register_fake("prunopt::fb_reconstruct")
     def _fb_reconstruct_fake(coefficients, basis, mask):
         return coefficients.new_empty(coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
+
+    if hasattr(torch.ops.prunopt, "fb_reconstruct_backward"):  # absent from extensions built before it
+
+        @torch.library.register_fake("prunopt::fb_reconstruct_backward")
+        def _fb_reconstruct_backward_fake(grad_h, coefficients, basis, mask, output_mask):
+            return (coefficients.new_empty(coefficients.shape if output_mask[0] else (0,)),
+                    basis.new_empty(basis.shape if output_mask[1] else (0,)))
 
     @torch.library.register_fake("prunopt::fb_conv2d")
     def _fb_conv2d_fake(input, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density):

@@ -6,6 +6,8 @@ Three custom ops (schemas in ``csrc/ops.cpp``):
 * ``prunopt::fb_reconstruct(coefficients, basis, mask)``: the fused
   reconstruction ``h = (lam * mu) @ basis`` (eq. 4), the training path's only
   extra work before ``conv2d``.
+* ``prunopt::fb_reconstruct_backward(grad_h, coefficients, basis, mask,
+  output_mask)``: its gradients (eq. 7, A.13, A.14) in one fused pass.
 * ``prunopt::fb_conv2d(input, coefficients, basis, mask, bias, stride, padding,
   dilation, groups, max_density)``: eq. 6/8. If the mask density is at most
   ``max_density`` the kernel computes eq. 8 over the non-zero coefficients
@@ -15,7 +17,7 @@ Three custom ops (schemas in ``csrc/ops.cpp``):
   sparse path on coefficients already compressed by :func:`fb_compress` (what
   ``FBConv2d`` caches in inference), so the CSR is not rebuilt per call.
 
-All three have autograd (eq. 7, A.12-A.14), fake kernels and a pure-PyTorch
+All of them have autograd (eq. 7, A.12-A.14), fake kernels and a pure-PyTorch
 fallback (``prunopt.reference.interspace``) when the extension is missing.
 """
 from __future__ import annotations
@@ -29,18 +31,59 @@ from torch import Tensor
 from prunopt._extension import extension_available
 from prunopt.reference.interspace import (
     _pair,
+    fb_coefficient_grads_reference,
     fb_conv2d_sparse_reference,
     fb_reconstruct_reference,
     validate_fb_args,
 )
 
-__all__ = ["fb_reconstruct", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "AUTO_MAX_DENSITY"]
+__all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "sparse_is_faster",
+           "auto_max_density"]
 
-#: ``path="auto"`` uses the sparse kernel (eq. 8) when no gradient is needed and
-#: the density of the mask is at most this (measured on VGG16-CIFAR layers at
-#: batch 1, bench/bench_fb_conv2d.py; the kernel falls back to reconstruct +
-#: conv2d above it).
-AUTO_MAX_DENSITY = 0.3
+# -- the cost model of path="auto" (docs/interspace.md, "Choosing the path") --------------------
+# Time of one call in units of one multiply-add of the dense conv2d (oneDNN) at
+# large images, least-squares fitted to single-thread timings of both paths on
+# the VGG16-CIFAR layers (3x3, orthonormal basis, batch 1, densities 0.03-0.7;
+# the fit picks the faster path in 41 of 45 cases, the other 4 within 8%):
+#   dense  = W (P + DENSE_SMALL_IMAGE / P_image)         W = C_out C_in/g K
+#   sparse = SPARSE_PER_MAC nnz P + SPARSE_PER_NNZ nnz + MAPS_PER_MAC C_in N K P + SPARSE_FIXED
+# with P the output positions (batch x Ho x Wo) and P_image = Ho x Wo. The
+# dense small-image term is conv2d's poor efficiency on 4x4 and 2x2 images; the
+# sparse per-nnz term the CSR walk, the fixed term allocation and dispatch.
+COST_SPARSE_PER_MAC = 2.2
+COST_SPARSE_PER_NNZ = 29.0
+COST_MAPS_PER_MAC = 0.36
+COST_SPARSE_FIXED = 2.1e6
+COST_DENSE_SMALL_IMAGE = 160.0
+
+
+def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int):
+    dense = c_out * c_in_g * k * (positions + COST_DENSE_SMALL_IMAGE / max(1, image_positions))
+    per_nnz = COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ
+    fixed = COST_MAPS_PER_MAC * c_in * n * k * positions + COST_SPARSE_FIXED
+    return dense, per_nnz, fixed
+
+
+def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
+                     image_positions: Optional[int] = None) -> bool:
+    """The cost model of ``path="auto"``: True when eq. 8 over ``nnz`` stored
+    coefficients is predicted to beat reconstruct + ``conv2d`` for ``positions``
+    output positions (batch x Ho x Wo; ``image_positions`` = Ho x Wo, default
+    ``positions``). See the ``COST_*`` constants."""
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
+    return nnz * per_nnz + fixed < dense
+
+
+def auto_max_density(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
+                     image_positions: Optional[int] = None) -> float:
+    """The largest density ``nnz / (C_out C_in/g N)`` for which
+    :func:`sparse_is_faster` holds: the ``max_density`` that ``path="auto"``
+    passes to the kernel (negative when the sparse path never wins)."""
+    total = c_out * c_in_g * n
+    if total == 0:
+        return 1.0
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
+    return (dense - fixed) / per_nnz / total
 
 
 def _kernel_devices(op: str) -> frozenset:
@@ -54,8 +97,14 @@ def _kernel_devices(op: str) -> frozenset:
 
 
 _RECON_DEVICES = _kernel_devices("fb_reconstruct")
+_RECON_BWD_DEVICES = _kernel_devices("fb_reconstruct_backward")
 _CONV_DEVICES = _kernel_devices("fb_conv2d")
 _CSR_DEVICES = _kernel_devices("fb_conv2d_csr")
+
+
+def has_csr_kernel(input: Tensor) -> bool:
+    """Whether ``prunopt::fb_conv2d_csr`` has a kernel for ``input``'s device."""
+    return input.device.type in _CSR_DEVICES
 
 
 def _mask_like(mask: Optional[Tensor], coefficients: Tensor) -> Optional[Tensor]:
@@ -83,6 +132,41 @@ def fb_reconstruct(coefficients: Tensor, basis: Tensor, mask: Optional[Tensor] =
     if coefficients.device.type in _RECON_DEVICES:
         return torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
     return fb_reconstruct_reference(coefficients, basis, mask)
+
+
+def fb_reconstruct_backward(grad_h: Tensor, coefficients: Tensor, basis: Tensor, mask: Optional[Tensor] = None,
+                            output_mask=(True, True)):
+    r"""Gradients of :func:`fb_reconstruct` from ``dL/dh`` (eq. 7, A.13, A.14), fused.
+
+    .. math::
+        \frac{\partial L}{\partial \lambda_n^{(o,i)}} = \mu_n^{(o,i)} \langle g^{(n)},
+            \tfrac{\partial L}{\partial h^{(o,i)}} \rangle, \qquad
+        \frac{\partial L}{\partial g^{(n)}} = \sum_{o,i} \lambda_n^{(o,i)} \mu_n^{(o,i)}
+            \tfrac{\partial L}{\partial h^{(o,i)}}
+
+    One pass over ``dL/dh``, ``lam`` and ``mu``; the basis gradient is summed in
+    short float blocks added in double.
+
+    Args:
+        grad_h: ``(C_out, C_in/groups, kh, kw)``, the gradient of the filters.
+        coefficients, basis, mask: as :func:`fb_reconstruct`.
+        output_mask: which of ``(dL/dlam, dL/dbasis)`` to compute; the others are ``None``.
+
+    Returns:
+        ``(dL/dlam, dL/dbasis)`` of the shapes of ``coefficients`` and ``basis``.
+    """
+    validate_fb_args(None, coefficients, basis, mask)
+    if not isinstance(grad_h, Tensor):
+        raise TypeError(f"grad_h must be a Tensor, got {type(grad_h).__name__}")
+    filters = (coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
+    if tuple(grad_h.shape) != filters:
+        raise ValueError(f"grad_h must have the shape of the filters {filters}, got {tuple(grad_h.shape)}")
+    if grad_h.dtype != coefficients.dtype or grad_h.device != coefficients.device:
+        raise ValueError(f"grad_h must have the dtype and device of coefficients ({coefficients.dtype}, "
+                         f"{coefficients.device}), got {grad_h.dtype}, {grad_h.device}")
+    if len(output_mask) != 2 or not all(isinstance(b, bool) for b in output_mask):
+        raise TypeError(f"output_mask must be two bools, got {output_mask!r}")
+    return _reconstruct_grads(grad_h, coefficients, basis, _mask_like(mask, coefficients), *output_mask)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -122,7 +206,8 @@ def fb_conv2d(
             input channel, a CSR × dense product); ``"auto"`` (default) takes
             the dense path when a gradient is needed and otherwise lets the
             kernel choose sparse when the mask density is at most
-            :data:`AUTO_MAX_DENSITY`. All paths agree to rounding and are
+            :func:`auto_max_density` of the layer and input (the cost model
+            :func:`sparse_is_faster`). All paths agree to rounding and are
             differentiable (eq. 7, A.12-A.14).
     """
     stride, padding, dilation, groups = validate_fb_args(input, coefficients, basis, mask, bias, stride, padding, dilation, groups)
@@ -131,7 +216,14 @@ def fb_conv2d(
     mask = _mask_like(mask, coefficients)
     if path == "dense" or (path == "auto" and _needs_grad(input, coefficients, basis, bias)):
         return F.conv2d(input, fb_reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
-    max_density = 1.0 if path == "sparse" else AUTO_MAX_DENSITY
+    if path == "sparse":
+        max_density = 1.0
+    else:
+        ho, wo = fb_conv_out_shape(input if input.dim() == 4 else input.unsqueeze(0), 1, basis, stride, padding,
+                                   dilation)[2:]
+        batch = input.shape[0] if input.dim() == 4 else 1
+        max_density = auto_max_density(coefficients.shape[0], coefficients.shape[1] * groups, coefficients.shape[1],
+                                       basis.shape[0], basis.shape[1] * basis.shape[2], batch * ho * wo, ho * wo)
     if input.device.type in _CONV_DEVICES:
         batched = input.dim() == 4
         x = input if batched else input.unsqueeze(0)
@@ -230,33 +322,21 @@ def fb_conv_out_shape(input: Tensor, c_out, basis: Tensor, stride, padding, dila
 
 # -- autograd (eq. 7, A.12-A.14) ---------------------------------------------------------------
 
-def _reconstruct_grads(grad_h: Tensor, lam_mu: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool, need_basis: bool):
+def _reconstruct_grads(grad_h: Tensor, coefficients: Tensor, basis: Tensor, mask: Optional[Tensor], need_lam: bool,
+                       need_basis: bool):
     """``dL/dlam = <g^(n), dL/dh> * mu`` (eq. 7, A.13) and ``dL/dg^(n) = sum lam mu dL/dh`` (A.14).
 
-    The first is the reconstruction kernel applied to ``dL/dh`` with the
-    transposed basis (``(M, K) @ (K, N)``); the second a batched product over
-    output channels, ``sum_o lam_mu[o]^T @ dL/dh[o]``.
+    One fused pass over ``dL/dh``, ``lam`` and ``mu`` (``prunopt::fb_reconstruct_backward``);
+    the outputs not needed are ``None`` and not computed.
     """
-    n = basis.shape[0]
-    c_out, c_in_g = lam_mu.shape[:2]
-    k = grad_h.shape[2] * grad_h.shape[3]
-    gh = grad_h.reshape(c_out, c_in_g, k)
-    g_lam = g_basis = None
-    if need_lam:
-        basis_t = basis.reshape(n, k).T.reshape(k, 1, n).contiguous()
-        if grad_h.device.type in _RECON_DEVICES:
-            g_lam = torch.ops.prunopt.fb_reconstruct(gh.contiguous(), basis_t, None).reshape(lam_mu.shape)
-        else:
-            g_lam = (gh.reshape(-1, k) @ basis.reshape(n, k).T).reshape(lam_mu.shape)
-        if mask is not None:
-            g_lam = g_lam * mask
-    if need_basis:
-        g_basis = torch.bmm(lam_mu.transpose(1, 2), gh).sum(0).reshape(basis.shape)
-    return g_lam, g_basis
-
-
-def _masked(coefficients: Tensor, mask: Optional[Tensor]) -> Tensor:
-    return coefficients if mask is None else coefficients * mask
+    if not (need_lam or need_basis):
+        return None, None
+    if grad_h.device.type in _RECON_BWD_DEVICES:
+        g_lam, g_basis = torch.ops.prunopt.fb_reconstruct_backward(grad_h, coefficients, basis, mask,
+                                                                   [need_lam, need_basis])
+        return (g_lam if need_lam else None), (g_basis if need_basis else None)
+    g_lam, g_basis = fb_coefficient_grads_reference(grad_h, coefficients, basis, mask)
+    return (g_lam if need_lam else None), (g_basis if need_basis else None)
 
 
 def _conv_backward(grad: Tensor, input: Tensor, h: Tensor, has_bias: bool, stride, padding, dilation, groups, needs):
@@ -274,9 +354,38 @@ def _fb_reconstruct_setup(ctx, inputs, output):
 
 def _fb_reconstruct_backward(ctx, grad_h):
     coefficients, basis, mask = ctx.saved_tensors
-    g_lam, g_basis = _reconstruct_grads(grad_h, _masked(coefficients, mask), basis, mask,
-                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    g_lam, g_basis = _reconstruct_grads(grad_h, coefficients, basis, mask, ctx.needs_input_grad[0],
+                                        ctx.needs_input_grad[1])
     return g_lam, g_basis, None
+
+
+def _fb_reconstruct_backward_setup(ctx, inputs, output):
+    grad_h, coefficients, basis, mask, output_mask = inputs
+    ctx.save_for_backward(grad_h, coefficients, basis, mask)
+    ctx.output_mask = tuple(output_mask)
+
+
+def _fb_reconstruct_backward_backward(ctx, gg_lam, gg_basis):
+    """Double backward: both outputs are bilinear in ``dL/dh`` and ``(lam, g)``,
+    so their gradients are the two FB ops again (with the upstream gradient in
+    the place of the coefficients or of the basis)."""
+    grad_h, coefficients, basis, mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    a = gg_lam if ctx.output_mask[0] and gg_lam is not None else None  # upstream of dL/dlam
+    bb = gg_basis if ctx.output_mask[1] and gg_basis is not None else None  # upstream of dL/dg
+    op = torch.ops.prunopt
+    d_gh = d_lam = d_basis = None
+    if need[0]:
+        d_gh = torch.zeros_like(grad_h)
+        if a is not None:
+            d_gh = d_gh + op.fb_reconstruct(a, basis, mask)
+        if bb is not None:
+            d_gh = d_gh + op.fb_reconstruct(coefficients, bb, mask)
+    if need[1] and bb is not None:
+        d_lam = op.fb_reconstruct_backward(grad_h, coefficients, bb, mask, [True, False])[0]
+    if need[2] and a is not None:
+        d_basis = op.fb_reconstruct_backward(grad_h, a, basis, mask, [False, True])[1]
+    return d_gh, d_lam, d_basis, None, None
 
 
 def _fb_conv2d_setup(ctx, inputs, output):
@@ -289,13 +398,10 @@ def _fb_conv2d_backward(ctx, grad):
     input, coefficients, basis, mask = ctx.saved_tensors
     has_bias, stride, padding, dilation, groups = ctx.conv
     need = ctx.needs_input_grad
-    lam_mu = _masked(coefficients, mask)
     h = torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
     g_in, g_h, g_b = _conv_backward(grad.contiguous(), input, h, has_bias, stride, padding, dilation, groups,
                                     (need[0], need[1] or need[2], need[4]))
-    g_lam = g_basis = None
-    if need[1] or need[2]:
-        g_lam, g_basis = _reconstruct_grads(g_h, lam_mu, basis, mask, need[1], need[2])
+    g_lam, g_basis = _reconstruct_grads(g_h, coefficients, basis, mask, need[1], need[2])
     return g_in, g_lam, g_basis, None, g_b, None, None, None, None, None
 
 
@@ -330,7 +436,10 @@ def _fb_conv2d_csr_backward(ctx, grad):
 
 
 def register_fb_autograd() -> None:
-    """Registers the backward formulas above for the three FB ops."""
+    """Registers the backward formulas above for the four FB ops."""
     torch.library.register_autograd("prunopt::fb_reconstruct", _fb_reconstruct_backward, setup_context=_fb_reconstruct_setup)
+    if hasattr(torch.ops.prunopt, "fb_reconstruct_backward"):
+        torch.library.register_autograd("prunopt::fb_reconstruct_backward", _fb_reconstruct_backward_backward,
+                                        setup_context=_fb_reconstruct_backward_setup)
     torch.library.register_autograd("prunopt::fb_conv2d", _fb_conv2d_backward, setup_context=_fb_conv2d_setup)
     torch.library.register_autograd("prunopt::fb_conv2d_csr", _fb_conv2d_csr_backward, setup_context=_fb_conv2d_csr_setup)

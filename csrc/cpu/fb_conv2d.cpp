@@ -2,10 +2,13 @@
 // pruning eq. 6, 8 and Alg. 1).
 //
 // Sparse path, for masked coefficients in CSR form (row o, column i*N + n):
-//   1. basis maps  Z[b, c, n, p] = (g[n] * X[b, c])[p]  -- im2col of X fused with
-//      the K^2 x N transform: for every non-zero g[n, k] one shifted, strided
-//      axpy of an input row into Z (Alg. 1 l. 7-8). Only the maps (c, n) that
-//      some non-zero coefficient uses are computed.
+//   1. basis maps  Z[b, c, n, p] = (g[n] * X[b, c])[p]  (Alg. 1 l. 7-8): for
+//      stride 1 a K-term sum of shifted rows of a zero-padded copy of X[b, c],
+//      otherwise im2col followed by the K^2 x N transform. Only the maps (c, n)
+//      that some non-zero coefficient uses are computed (when the scan for them
+//      is cheaper than computing all). Z is stored tile-major,
+//      [b][tile of the mix][c][n][tile width], so the slice one output tile
+//      reads is contiguous (no 4 KiB-strided rows aliasing in L1/L2).
 //   2. mix  Y[b, o, p] = bias[o] + sum_{e in row o} val[e] * Z[b, g(o), col[e], p]
 //      (eq. 8, Alg. 1 l. 9-10): a CSR x dense product. Tasks are (batch, tile of
 //      P, output channel) with the channel innermost, so one tile of Z stays in
@@ -83,6 +86,9 @@ void im2col_channel(const scalar_t* xc, const Geometry& G, const std::vector<Tap
 }
 
 constexpr int64_t kTile = 64;  // outputs per register tile
+// outputs per tile of the mix: the Z slice of a tile (C_in N kMixTile values) is
+// re-read by every output channel and must stay in L2
+constexpr int64_t kMixTile = 32;
 
 // The hot loops are compiled twice, for the baseline ISA of the build and for
 // AVX2+FMA, and picked at run time (the extension is built for generic x86-64).
@@ -111,15 +117,31 @@ __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, 
     constexpr int kBytes = W * sizeof(scalar_t) < 32 ? W * sizeof(scalar_t) : 32;
     typedef scalar_t V __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
     constexpr int kVecs = W * sizeof(scalar_t) / kBytes;
-    V acc[kVecs];
-    for (int i = 0; i < kVecs; ++i) acc[i] = V{} + b0;
-    for (int64_t e = 0; e < count; ++e) {
+    // narrow tiles (few vectors) keep U independent sums so that the FMA
+    // latency, not the throughput, is not what bounds a long row
+    constexpr int U = kVecs >= 4 ? 1 : 4 / kVecs;
+    V acc[U][kVecs];
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < kVecs; ++i) acc[u][i] = V{};
+    int64_t e = 0;
+    for (; e + U <= count; e += U) {
+      for (int u = 0; u < U; ++u) {
+        const V vw = V{} + w(e + u);
+        const V* r = reinterpret_cast<const V*>(row(e + u));
+        for (int i = 0; i < kVecs; ++i) acc[u][i] += vw * r[i];
+      }
+    }
+    for (; e < count; ++e) {
       const V vw = V{} + w(e);
       const V* r = reinterpret_cast<const V*>(row(e));
-      for (int i = 0; i < kVecs; ++i) acc[i] += vw * r[i];
+      for (int i = 0; i < kVecs; ++i) acc[0][i] += vw * r[i];
     }
     V* o = reinterpret_cast<V*>(out);
-    for (int i = 0; i < kVecs; ++i) o[i] = acc[i];
+    for (int i = 0; i < kVecs; ++i) {
+      V sum = V{} + b0;
+      for (int u = 0; u < U; ++u) sum += acc[u][i];
+      o[i] = sum;
+    }
   } else {
     float acc[W];
     for (int p = 0; p < W; ++p) acc[p] = static_cast<float>(b0);
@@ -133,9 +155,9 @@ __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, 
 }
 
 // Tile width for P outputs per channel: kTile, or the power of two >= P.
-inline int tile_width(int64_t P) {
+inline int tile_width(int64_t P, int64_t max_width = kTile) {
   int w = 4;
-  while (w < kTile && w < P) w *= 2;
+  while (w < max_width && w < P) w *= 2;
   return w;
 }
 
@@ -170,52 +192,91 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   scalar_t* z = A.z;
   const scalar_t* gs = A.gs;
   const uint8_t* used = A.used;
-  std::vector<scalar_t> colbuf(identity ? 0 : K * P + kTile);
+  // stride 1 (any dilation): the taps of a zero-padded copy of the channel are
+  // shifts of one flat array, so Z[c, n] is a K-term sum of shifted rows over
+  // q = oy * Wp + ox (Wp = padded width), then the Wo valid columns are kept
+  const bool direct = !identity && G.sh == 1 && G.sw == 1;
+  const int64_t Hp = G.h + 2 * G.ph, Wp = G.w + 2 * G.pw, L = G.ho * Wp;
+  std::vector<scalar_t> colbuf(direct ? Hp * Wp + L + 2 * kTile : K * P + kTile);
+  std::vector<int64_t> offs(K);
+  for (int64_t ky = 0; ky < G.kh; ++ky)
+    for (int64_t kx = 0; kx < G.kw; ++kx) offs[ky * G.kw + kx] = ky * G.dh * Wp + kx * G.dw;
+  if (direct) std::fill(colbuf.begin(), colbuf.end(), scalar_t(0));
+  // Z is tile-major: [b][tile of Wz outputs][c][n][Wz], so the slice of Z that
+  // one output tile of the mix reads is contiguous (C_in N Wz values)
+  const int64_t Wz = tile_width(P, kMixTile), T = (P + Wz - 1) / Wz;
+  std::vector<scalar_t> rowbuf(P + kTile);
+  auto store = [&](int64_t b, int64_t c, int64_t n, const scalar_t* row) __attribute__((always_inline)) {
+    for (int64_t tl = 0; tl < T; ++tl) {
+      const int64_t p0 = tl * Wz, len = std::min<int64_t>(Wz, P - p0);
+      std::copy(row + p0, row + p0 + len, z + (((b * T + tl) * G.c_in + c) * N + n) * Wz);
+    }
+  };
   for (int64_t bc = t0; bc < t1; ++bc) {
-    const int64_t c = bc % G.c_in;
+    const int64_t c = bc % G.c_in, b = bc / G.c_in;
     const uint8_t* uc = used + c * N;
     bool any = false;
     for (int64_t n = 0; n < N; ++n) any |= uc[n] != 0;
     const scalar_t* xc = x + bc * G.h * G.w;
-    scalar_t* zc = z + bc * N * P;
-    // unused maps are never read for a valid output, only W-wide over-reads
-    // of a neighbour row touch them: zeros keep those lanes finite
-    if (!any) {
-      std::fill(zc, zc + N * P, scalar_t(0));
+    // unused maps are never read: the mix reads only stored columns, within their tile slot
+    if (!any) continue;
+    if (identity) {  // Z[c] is the im2col of X[c]
+      scalar_t* col = colbuf.data();
+      im2col_channel(xc, G, taps, col);
+      for (int64_t n = 0; n < N; ++n)
+        if (uc[n]) store(b, c, n, col + n * P);
       continue;
     }
-    if (identity) {  // Z[c] is the im2col of X[c]
-      im2col_channel(xc, G, taps, zc);
+    scalar_t* row = rowbuf.data();
+    if (direct) {
+      scalar_t* xp = colbuf.data();  // Hp x Wp, zero border (set once)
+      scalar_t* t = xp + Hp * Wp + kTile;  // L outputs over padded rows
+      for (int64_t y = 0; y < G.h; ++y) std::copy(xc + y * G.w, xc + (y + 1) * G.w, xp + (y + G.ph) * Wp + G.pw);
+      const int64_t* off = offs.data();
+      for (int64_t n = 0; n < N; ++n) {
+        if (!uc[n]) continue;
+        const scalar_t* gn = gs + n * K;
+        for (int64_t q0 = 0; q0 < L; q0 += W) {
+          tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
+              [&](int64_t k) -> const scalar_t* { return xp + q0 + off[k]; }, t + q0);
+        }
+        for (int64_t oy = 0; oy < G.ho; ++oy) std::copy(t + oy * Wp, t + oy * Wp + G.wo, row + oy * G.wo);
+        store(b, c, n, row);
+      }
       continue;
     }
     scalar_t* col = colbuf.data();
     im2col_channel(xc, G, taps, col);
     for (int64_t n = 0; n < N; ++n) {
-      if (!uc[n]) {
-        std::fill(zc + n * P, zc + (n + 1) * P, scalar_t(0));
-        continue;
-      }
+      if (!uc[n]) continue;
       const scalar_t* gn = gs + n * K;
-      scalar_t* zn = zc + n * P;
       for (int64_t p0 = 0; p0 < P; p0 += W) {
         const int64_t len = std::min<int64_t>(W, P - p0);
         scalar_t out[W];
         tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
             [&](int64_t k) -> const scalar_t* { return col + k * P + p0; }, out);
-        std::copy(out, out + len, zn + p0);
+        std::copy(out, out + len, row + p0);
       }
+      store(b, c, n, row);
     }
   }
 }
 
+// Tile width of the maps: over P outputs, or over the padded rows (stride 1).
+template <typename scalar_t>
+int maps_width(const MapsArgs<scalar_t>& a) {
+  const Geometry& G = *a.G;
+  const bool direct = !a.identity && G.sh == 1 && G.sw == 1;
+  return tile_width(direct ? G.ho * (G.w + 2 * G.pw) : G.p());
+}
 template <typename scalar_t>
 void maps_default(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), maps_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(maps_width(a), maps_body<scalar_t, W>(a, t0, t1))
 }
 #ifdef PRUNOPT_X86_DISPATCH
 template <typename scalar_t>
 __attribute__((target("avx2,fma"))) void maps_avx2(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), maps_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(maps_width(a), maps_body<scalar_t, W>(a, t0, t1))
 }
 #endif
 
@@ -267,23 +328,23 @@ __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, 
     const int64_t tl = bt % tiles, b = bt / tiles;
     const int64_t p0 = tl * W, len = std::min<int64_t>(W, P - p0);
     const scalar_t b0 = bias ? bias[o] : scalar_t(0);
-    const scalar_t* zg = z + (b * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * P + p0;
+    const scalar_t* zg = z + ((b * tiles + tl) * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * W;
     const int32_t e0 = crow[o];
     scalar_t out[W];
     tile_sum<scalar_t, W>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
-        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * P; }, out);
+        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * W; }, out);
     std::copy(out, out + len, y + (b * G.c_out + o) * P + p0);
   }
 }
 
 template <typename scalar_t>
 void mix_default(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), mix_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p(), kMixTile), mix_body<scalar_t, W>(a, t0, t1))
 }
 #ifdef PRUNOPT_X86_DISPATCH
 template <typename scalar_t>
 __attribute__((target("avx2,fma"))) void mix_avx2(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
-  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p()), mix_body<scalar_t, W>(a, t0, t1))
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p(), kMixTile), mix_body<scalar_t, W>(a, t0, t1))
 }
 #endif
 
@@ -293,7 +354,7 @@ template <typename scalar_t>
 void csr_mix(const scalar_t* z, const Geometry& G, const int32_t* crow, const int32_t* col, const scalar_t* val,
              const scalar_t* bias, scalar_t* y) {
   const int64_t P = G.p();
-  const int64_t tiles = (P + tile_width(P) - 1) / tile_width(P);
+  const int64_t tiles = (P + tile_width(P, kMixTile) - 1) / tile_width(P, kMixTile);
   const int64_t tasks = G.batch * tiles * G.c_out;
   const int64_t nnz = crow[G.c_out];
   const int64_t work_per_task = std::max<int64_t>(1, (nnz / std::max<int64_t>(1, G.c_out) + 1) * std::min(P, kTile));
@@ -318,7 +379,6 @@ Geometry geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_ou
 at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const at::Tensor& col,
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
   auto y = at::empty({G.batch, G.c_out, G.ho, G.wo}, input.options());
-  if (y.numel() == 0) return y;
   auto x = input.contiguous();
   auto g = basis.to(at::kDouble).contiguous();
   const double* gp = g.data_ptr<double>();
@@ -326,18 +386,32 @@ at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const
   bool identity = G.n == G.kh * G.kw;
   for (int64_t n = 0; identity && n < G.n; ++n)
     for (int64_t k = 0; k < G.n; ++k) identity = identity && gp[n * G.n + k] == (n == k ? 1.0 : 0.0);
-  // maps (c, n) used by some non-zero coefficient
+  // the column indices are checked first (a malformed CSR is an error, never
+  // an out-of-bounds access): a max over them, which vectorises
   const int32_t* cp = col.data_ptr<int32_t>();
   const int32_t* rp = crow.data_ptr<int32_t>();
+  const int64_t nnz = col.numel();
   const int64_t c_out_g = G.c_out / G.groups, c_in_g = G.c_in_g();
-  std::vector<uint8_t> used(G.c_in * G.n, 0);
-  for (int64_t o = 0; o < G.c_out; ++o) {
-    const int64_t base = (o / c_out_g) * c_in_g * G.n;
-    for (int64_t e = rp[o]; e < rp[o + 1]; ++e) used[base + cp[e]] = 1;
+  const uint32_t row_len = static_cast<uint32_t>(c_in_g * G.n);
+  uint32_t max_col = 0;
+  for (int64_t e = 0; e < nnz; ++e) max_col = std::max(max_col, static_cast<uint32_t>(cp[e]));  // negative -> huge
+  TORCH_CHECK_VALUE(nnz == 0 || max_col < row_len,
+      "fb_conv2d_csr: col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
+  // maps (c, n) used by some non-zero coefficient. The scan costs about as
+  // much per non-zero as a small image's mix, so when computing every map is
+  // cheaper than scanning (small images, many non-zeros) all are marked used.
+  const bool scan = G.c_in * G.n * G.kh * G.kw * G.p() * G.batch > 4 * nnz;
+  std::vector<uint8_t> used(G.c_in * G.n, scan ? 0 : 1);
+  if (scan) {
+    for (int64_t o = 0; o < G.c_out; ++o) {
+      uint8_t* ug = used.data() + (o / c_out_g) * c_in_g * G.n;
+      for (int64_t e = rp[o]; e < rp[o + 1]; ++e) ug[cp[e]] = 1;
+    }
   }
-  // padded by kTile elements: tiles read rows W wide (only valid outputs are kept)
-  auto z = at::empty({G.batch * G.c_in * G.n * G.p() + kTile}, input.options());
-  z.narrow(0, z.numel() - kTile, kTile).zero_();
+  if (y.numel() == 0) return y;
+  // tile-major (see maps_body): whole tiles of the mix width
+  const int64_t wz = tile_width(G.p(), kMixTile);
+  auto z = at::empty({G.batch * ((G.p() + wz - 1) / wz) * wz * G.c_in * G.n}, input.options());
   auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "fb_conv2d", [&] {
     basis_maps<scalar_t>(x.data_ptr<scalar_t>(), G, gp, identity, used, z.data_ptr<scalar_t>());
@@ -424,16 +498,11 @@ at::Tensor fb_conv2d_csr_cpu(const at::Tensor& input, const at::Tensor& crow_ind
   auto col = col_indices.contiguous();
   // a malformed CSR must be an error, never an out-of-bounds read
   const int32_t* rp = crow.data_ptr<int32_t>();
-  const int32_t* cp = col.data_ptr<int32_t>();
   TORCH_CHECK_VALUE(rp[0] == 0 && rp[c_out] == col.numel(), op,
       ": crow_indices must start at 0 and end at nnz = ", col.numel());
   for (int64_t o = 0; o < c_out; ++o) {
     TORCH_CHECK_VALUE(rp[o] <= rp[o + 1], op, ": crow_indices must be non-decreasing");
   }
-  const int64_t row_len = c_in_g * basis.size(0);
-  int32_t bad = 0;
-  for (int64_t e = 0; e < col.numel(); ++e) bad |= static_cast<int32_t>(cp[e] < 0 || cp[e] >= row_len);
-  TORCH_CHECK_VALUE(!bad, op, ": col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
   const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
   return sparse_forward(input, crow, col, values.contiguous(), basis, bias, G);
 }

@@ -1,86 +1,488 @@
 // Fused reconstruction of the masked spatial filters of a filter-basis
-// convolution on the CPU (SPEC.md section 3, interspace pruning eq. 4):
+// convolution and its backward on the CPU (SPEC.md section 3, interspace
+// pruning eq. 4, 7, A.13, A.14). With rows m = (o, i), taps k = (y, x):
 //
-//   h[m, k] = sum_n lam[m, n] * mu[m, n] * g[n, k],   m = (o, i), k = (y, x)
+//   forward    h[m, k]     = sum_n lam[m, n] mu[m, n] g[n, k]            (eq. 4)
+//   backward   dlam[m, n]  = mu[m, n] sum_k dh[m, k] g[n, k]             (eq. 7, A.13)
+//              dg[n, k]    = sum_m lam[m, n] mu[m, n] dh[m, k]           (A.14)
 //
-// One pass over lam and mu, no (lam * mu) temporary. Rows are processed in
-// blocks of kRows so that the innermost loop runs over rows (contiguous in the
-// transposed block) and vectorises; sums are accumulated in double (N terms).
+// Both are one pass over the (C_out * C_in/groups)-row tensors and are bound by
+// memory bandwidth in training (the rows are short: N, K <= 32 floats), so the
+// work per row must stay at a few vector instructions:
+//
+// * A row is held in C vectors of V lanes (V = 32 bytes / sizeof(scalar), C =
+//   ceil(max(N, K) / V)); the basis is kept padded with zeros to C*V lanes, so
+//   h[m, :] = sum_n c[n] * g[n, :] is N broadcast-FMAs per vector and
+//   dlam[m, :] = sum_k dh[m, k] * g^T[k, :] is K. Rows are read and written C*V
+//   wide: a row's surplus lanes read the start of the next row (finite data
+//   that only reaches discarded lanes) and are overwritten when the next row is
+//   stored, so only the last rows of a thread's chunk (whose surplus would
+//   cross into another thread's rows or past the tensor) go through padded
+//   local copies.
+// * dg is accumulated as N x C vectors in the input dtype over blocks of
+//   kBlockRows rows (short float blocks), each block added in double to the
+//   chunk's double accumulator; chunks are summed in double in order.
+// * Per-row sums (N or K terms) are in the input dtype, as conv2d's. Half and
+//   BFloat16, and rows longer than 4 vectors, take a scalar loop with float /
+//   double sums.
+//
+// The vector loops are compiled twice, for the baseline ISA of the build and
+// for AVX2+FMA, and picked at run time (the extension is built for x86-64).
+// The 3x3 basis in float (every 3x3 FB layer in training) has its own AVX2
+// loops with the basis held in registers (see forward_3x3_avx2).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "prunopt/fb_checks.h"
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace prunopt {
 namespace cpu {
 namespace {
 
-constexpr int64_t kRows = 32;
+#if defined(__GNUC__) && defined(__x86_64__)
+#define PRUNOPT_X86_DISPATCH 1
+inline bool use_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#endif
 
-// Rows [b0, b1) of blocks: always inlined into a baseline and an AVX2+FMA
-// clone (the extension is built for generic x86-64), picked at run time.
+constexpr int kMaxVecs = 4;          // rows of up to 4 vectors (32 floats, 16 doubles) take the vector path
+constexpr int64_t kBlockRows = 32;   // rows per short block of the dg reduction
+
 template <typename scalar_t>
-__attribute__((always_inline)) inline void reconstruct_blocks(const scalar_t* lam, const scalar_t* mu,
-    const double* g, int64_t rows, int64_t n, int64_t k, scalar_t* h, int64_t b0, int64_t b1) {
-  std::vector<double> c(n * kRows);
-  double acc[kRows];
-  for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t r0 = blk * kRows;
-    const int64_t nr = std::min(kRows, rows - r0);
-    // c[j, r] = lam[r0 + r, j] * mu[r0 + r, j]  (transposed: rows innermost)
-    for (int64_t r = 0; r < kRows; ++r) {
+constexpr bool kVectorised = std::is_same<scalar_t, float>::value || std::is_same<scalar_t, double>::value;
+
+template <typename scalar_t>
+constexpr int kLanes = 32 / static_cast<int>(sizeof(scalar_t));
+
+// The problem: rows x N coefficients, N x K basis, rows x K filters.
+struct Dims {
+  int64_t rows, n, k;
+};
+
+// Rows [r0, r1) of one thread chunk split into the rows whose C*V-wide reads
+// and writes stay inside the chunk ([r0, fast_end)) and the rest.
+inline int64_t fast_end(int64_t r0, int64_t r1, int64_t width, int64_t len_a, int64_t len_b) {
+  // a row of length len written `width` wide spills into the next ceil((width - len) / len) rows
+  auto ahead = [&](int64_t len) __attribute__((always_inline)) { return len >= width ? 0 : (width - len + len - 1) / len; };
+  return std::max(r0, r1 - std::max(ahead(len_a), ahead(len_b)));
+}
+
+// ---- forward: h = (lam * mu) g -------------------------------------------------------------------
+
+template <typename scalar_t, int C, int NN>
+__attribute__((always_inline)) inline void forward_rows(const scalar_t* lam, const scalar_t* mu, const scalar_t* gpad,
+    const Dims& d, scalar_t* h, int64_t r0, int64_t r1) {
+  constexpr int V = kLanes<scalar_t>;
+  typedef scalar_t Vec __attribute__((vector_size(32), aligned(sizeof(scalar_t)), __may_alias__));
+  const int64_t n = NN > 0 ? NN : d.n, k = d.k;
+  const Vec* g = reinterpret_cast<const Vec*>(gpad);  // n x C vectors
+  auto row = [&](const scalar_t* lr, const scalar_t* mr, scalar_t* hr) __attribute__((always_inline)) {
+    Vec acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = Vec{};
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t cj = mr ? lr[j] * mr[j] : lr[j];
+      for (int c = 0; c < C; ++c) acc[c] += cj * g[j * C + c];
+    }
+    Vec* out = reinterpret_cast<Vec*>(hr);
+    for (int c = 0; c < C; ++c) out[c] = acc[c];
+  };
+  const int64_t fe = fast_end(r0, r1, C * V, n, k);
+  for (int64_t r = r0; r < fe; ++r) row(lam + r * n, mu ? mu + r * n : nullptr, h + r * k);
+  alignas(32) scalar_t lbuf[C * V], mbuf[C * V], hbuf[C * V];
+  for (int64_t r = fe; r < r1; ++r) {
+    std::copy(lam + r * n, lam + (r + 1) * n, lbuf);
+    if (mu) std::copy(mu + r * n, mu + (r + 1) * n, mbuf);
+    row(lbuf, mu ? mbuf : nullptr, hbuf);
+    std::copy(hbuf, hbuf + k, h + r * k);
+  }
+}
+
+// ---- backward: dlam = (dh g^T) * mu, dg = (lam * mu)^T dh --------------------------------------
+
+template <typename scalar_t>
+struct BackwardArgs {
+  const scalar_t* dh;
+  const scalar_t* lam;
+  const scalar_t* mu;
+  const scalar_t* gtpad;  // k x C vectors: g^T padded (dlam)
+  Dims d;
+  scalar_t* dlam;         // nullptr: not needed
+  double* dg;             // n x k, nullptr: not needed (added to)
+};
+
+template <typename scalar_t, int C, int NN>
+__attribute__((always_inline)) inline void backward_rows(const BackwardArgs<scalar_t>& A, int64_t r0, int64_t r1) {
+  constexpr int V = kLanes<scalar_t>;
+  typedef scalar_t Vec __attribute__((vector_size(32), aligned(sizeof(scalar_t)), __may_alias__));
+  const int64_t n = NN > 0 ? NN : A.d.n, k = A.d.k;
+  const Vec* gt = reinterpret_cast<const Vec*>(A.gtpad);
+  const bool want_lam = A.dlam != nullptr, want_g = A.dg != nullptr;
+  const scalar_t* mu = A.mu;
+  // dg block accumulator: n x C vectors, lanes >= k discarded
+  Vec acc[(NN > 0 ? NN : C * V) * C];
+  const int64_t nacc = n * C;
+  for (int64_t i = 0; i < nacc; ++i) acc[i] = Vec{};
+  auto row = [&](const scalar_t* dr, const scalar_t* lr, const scalar_t* mr, scalar_t* out) __attribute__((always_inline)) {
+    if (want_lam) {
+      Vec gl[C];
+      for (int c = 0; c < C; ++c) gl[c] = Vec{};
+      for (int64_t j = 0; j < k; ++j) {
+        const scalar_t dj = dr[j];
+        for (int c = 0; c < C; ++c) gl[c] += dj * gt[j * C + c];
+      }
+      const Vec* mv = reinterpret_cast<const Vec*>(mr);
+      Vec* o = reinterpret_cast<Vec*>(out);
+      for (int c = 0; c < C; ++c) o[c] = mr ? gl[c] * mv[c] : gl[c];
+    }
+    if (want_g) {
+      const Vec* dv = reinterpret_cast<const Vec*>(dr);
+      Vec dvr[C];
+      for (int c = 0; c < C; ++c) dvr[c] = dv[c];
       for (int64_t j = 0; j < n; ++j) {
-        double v = 0.0;
-        if (r < nr) {
-          const int64_t idx = (r0 + r) * n + j;
-          v = static_cast<double>(lam[idx]) * (mu ? static_cast<double>(mu[idx]) : 1.0);
-        }
-        c[j * kRows + r] = v;
+        const scalar_t cj = mr ? lr[j] * mr[j] : lr[j];
+        for (int c = 0; c < C; ++c) acc[j * C + c] += cj * dvr[c];
       }
     }
-    for (int64_t kk = 0; kk < k; ++kk) {
-      for (int64_t r = 0; r < kRows; ++r) acc[r] = 0.0;
-      for (int64_t j = 0; j < n; ++j) {
-        const double gj = g[j * k + kk];
-        const double* cj = c.data() + j * kRows;
-        for (int64_t r = 0; r < kRows; ++r) acc[r] += cj[r] * gj;
+  };
+  auto flush = [&]() __attribute__((always_inline)) {
+    if (!want_g) return;
+    for (int64_t j = 0; j < n; ++j) {
+      for (int c = 0; c < C; ++c) {
+        for (int l = 0; l < V && c * V + l < k; ++l) A.dg[j * k + c * V + l] += static_cast<double>(acc[j * C + c][l]);
+        acc[j * C + c] = Vec{};
       }
-      for (int64_t r = 0; r < nr; ++r) h[(r0 + r) * k + kk] = static_cast<scalar_t>(acc[r]);
+    }
+  };
+  const int64_t fe = fast_end(r0, r1, C * V, n, k);
+  int64_t in_block = 0;
+  for (int64_t r = r0; r < fe; ++r) {
+    row(A.dh + r * k, A.lam + r * n, mu ? mu + r * n : nullptr, want_lam ? A.dlam + r * n : nullptr);
+    if (++in_block == kBlockRows) {
+      flush();
+      in_block = 0;
+    }
+  }
+  alignas(32) scalar_t dbuf[C * V] = {}, lbuf[C * V] = {}, mbuf[C * V] = {}, obuf[C * V];
+  for (int64_t r = fe; r < r1; ++r) {
+    std::copy(A.dh + r * k, A.dh + (r + 1) * k, dbuf);
+    std::copy(A.lam + r * n, A.lam + (r + 1) * n, lbuf);
+    if (mu) std::copy(mu + r * n, mu + (r + 1) * n, mbuf);
+    row(dbuf, lbuf, mu ? mbuf : nullptr, obuf);
+    if (want_lam) std::copy(obuf, obuf + n, A.dlam + r * n);
+  }
+  flush();
+}
+
+// ---- scalar loops (Half, BFloat16, long rows) -------------------------------------------------
+
+template <typename scalar_t>
+void forward_rows_scalar(const scalar_t* lam, const scalar_t* mu, const double* g, const Dims& d, scalar_t* h,
+                         int64_t r0, int64_t r1) {
+  using acc_t = at::opmath_type<scalar_t>;
+  std::vector<acc_t> c(d.n);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < d.n; ++j) {
+      c[j] = static_cast<acc_t>(lam[r * d.n + j]) * (mu ? static_cast<acc_t>(mu[r * d.n + j]) : acc_t(1));
+    }
+    for (int64_t kk = 0; kk < d.k; ++kk) {
+      acc_t acc = 0;
+      for (int64_t j = 0; j < d.n; ++j) acc += c[j] * static_cast<acc_t>(g[j * d.k + kk]);
+      h[r * d.k + kk] = static_cast<scalar_t>(acc);
     }
   }
 }
 
 template <typename scalar_t>
-void blocks_default(const scalar_t* lam, const scalar_t* mu, const double* g, int64_t rows, int64_t n, int64_t k,
-                    scalar_t* h, int64_t b0, int64_t b1) {
-  reconstruct_blocks(lam, mu, g, rows, n, k, h, b0, b1);
+void backward_rows_scalar(const scalar_t* dh, const scalar_t* lam, const scalar_t* mu, const double* g, const Dims& d,
+                          scalar_t* dlam, double* dg, int64_t r0, int64_t r1) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t r = r0; r < r1; ++r) {
+    const scalar_t* dr = dh + r * d.k;
+    for (int64_t j = 0; j < d.n; ++j) {
+      const acc_t mj = mu ? static_cast<acc_t>(mu[r * d.n + j]) : acc_t(1);
+      if (dlam) {
+        acc_t acc = 0;
+        for (int64_t kk = 0; kk < d.k; ++kk) acc += static_cast<acc_t>(dr[kk]) * static_cast<acc_t>(g[j * d.k + kk]);
+        dlam[r * d.n + j] = static_cast<scalar_t>(acc * mj);
+      }
+      if (dg) {
+        const double cj = static_cast<double>(lam[r * d.n + j]) * static_cast<double>(mj);
+        for (int64_t kk = 0; kk < d.k; ++kk) dg[j * d.k + kk] += cj * static_cast<double>(dr[kk]);
+      }
+    }
+  }
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#define PRUNOPT_X86_DISPATCH 1
+// ---- dispatch over (C, N) and the ISA ---------------------------------------------------------
+
+// Calls BODY with compile-time C (vectors per row) and NN (N if it is the
+// common 3x3 basis size 9, else 0 = runtime N).
+#define PRUNOPT_FB_ROWS_DISPATCH(c, n, ...)                                        \
+  do {                                                                              \
+    if ((n) == 9 && (c) == (9 + kLanes<scalar_t> - 1) / kLanes<scalar_t>) {         \
+      constexpr int C = (9 + kLanes<scalar_t> - 1) / kLanes<scalar_t>;              \
+      constexpr int NN = 9;                                                         \
+      __VA_ARGS__;                                                                  \
+    } else {                                                                        \
+      switch (c) {                                                                  \
+        case 1: { constexpr int C = 1, NN = 0; __VA_ARGS__; break; }                \
+        case 2: { constexpr int C = 2, NN = 0; __VA_ARGS__; break; }                \
+        case 3: { constexpr int C = 3, NN = 0; __VA_ARGS__; break; }                \
+        default: { constexpr int C = 4, NN = 0; __VA_ARGS__; break; }               \
+      }                                                                             \
+    }                                                                               \
+  } while (0)
+
 template <typename scalar_t>
-__attribute__((target("avx2,fma"))) void blocks_avx2(const scalar_t* lam, const scalar_t* mu, const double* g,
-    int64_t rows, int64_t n, int64_t k, scalar_t* h, int64_t b0, int64_t b1) {
-  reconstruct_blocks(lam, mu, g, rows, n, k, h, b0, b1);
+void forward_default(const scalar_t* lam, const scalar_t* mu, const scalar_t* gpad, const Dims& d, int c, scalar_t* h,
+                     int64_t r0, int64_t r1) {
+  PRUNOPT_FB_ROWS_DISPATCH(c, d.n, (forward_rows<scalar_t, C, NN>(lam, mu, gpad, d, h, r0, r1)));
+}
+template <typename scalar_t>
+void backward_default(const BackwardArgs<scalar_t>& a, int c, int64_t r0, int64_t r1) {
+  PRUNOPT_FB_ROWS_DISPATCH(c, a.d.n, (backward_rows<scalar_t, C, NN>(a, r0, r1)));
+}
+#ifdef PRUNOPT_X86_DISPATCH
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) void forward_avx2(const scalar_t* lam, const scalar_t* mu, const scalar_t* gpad,
+    const Dims& d, int c, scalar_t* h, int64_t r0, int64_t r1) {
+  PRUNOPT_FB_ROWS_DISPATCH(c, d.n, (forward_rows<scalar_t, C, NN>(lam, mu, gpad, d, h, r0, r1)));
+}
+template <typename scalar_t>
+__attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs<scalar_t>& a, int c, int64_t r0, int64_t r1) {
+  PRUNOPT_FB_ROWS_DISPATCH(c, a.d.n, (backward_rows<scalar_t, C, NN>(a, r0, r1)));
 }
 #endif
 
+#ifdef PRUNOPT_X86_DISPATCH
+// ---- the 3x3 basis (N = K = 9) in float with AVX2: a row is one vector + one lane --------------
+//
+// The eight taps / coefficients 0..7 of a row are one vector, the ninth a
+// scalar, so no read or write leaves the row. The basis stays in registers;
+// the ninth column is a horizontal sum. This is the shape of every 3x3 FB
+// layer in training, where these kernels must run at memory speed.
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// g: 9 x 9 doubles (row n = g^(n)).
+__attribute__((target("avx2,fma"))) void forward_3x3_avx2(const float* lam, const float* mu, const double* g,
+                                                         float* h, int64_t r0, int64_t r1) {
+  __m256 G[9];
+  alignas(32) float tmp[8];
+  for (int n = 0; n < 9; ++n) {
+    for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(g[n * 9 + k]);
+    G[n] = _mm256_load_ps(tmp);
+  }
+  for (int n = 0; n < 8; ++n) tmp[n] = static_cast<float>(g[n * 9 + 8]);
+  const __m256 g8 = _mm256_load_ps(tmp);  // column 8, n = 0..7
+  const float g88 = static_cast<float>(g[80]);
+  alignas(32) float cb[8];
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* lr = lam + r * 9;
+    __m256 c = _mm256_loadu_ps(lr);
+    float c8 = lr[8];
+    if (mu) {
+      c = _mm256_mul_ps(c, _mm256_loadu_ps(mu + r * 9));
+      c8 *= mu[r * 9 + 8];
+    }
+    _mm256_store_ps(cb, c);
+    __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c8), G[8]);
+    for (int n = 0; n < 8; ++n) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(cb + n), G[n], acc);
+    const float h8 = hsum8(_mm256_mul_ps(c, g8)) + c8 * g88;
+    _mm256_storeu_ps(h + r * 9, acc);
+    h[r * 9 + 8] = h8;
+  }
+}
+
+// dlam (may be null) and dg (9 x 9 doubles, added to; may be null) of rows [r0, r1).
+__attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, const float* lam, const float* mu,
+    const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
+  alignas(32) float tmp[8];
+  __m256 GT[9];  // GT[k] = (g[0][k], ..., g[7][k])
+  for (int k = 0; k < 9; ++k) {
+    for (int n = 0; n < 8; ++n) tmp[n] = static_cast<float>(g[n * 9 + k]);
+    GT[k] = _mm256_load_ps(tmp);
+  }
+  for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(g[72 + k]);
+  const __m256 g8row = _mm256_load_ps(tmp);  // g[8][0..7]
+  const float g88 = static_cast<float>(g[80]);
+  alignas(32) float buf[8];
+  for (int64_t b0 = r0; b0 < r1; b0 += kBlockRows) {
+    const int64_t b1 = std::min(r1, b0 + kBlockRows);
+    if (dlam) {  // dlam[n] = mu[n] <g[n], dh>: a K-sum per coefficient
+      for (int64_t r = b0; r < b1; ++r) {
+        const float* dr = dh + r * 9;
+        const __m256 d = _mm256_loadu_ps(dr);
+        const float d8 = dr[8];
+        _mm256_store_ps(buf, d);
+        __m256 acc = _mm256_mul_ps(_mm256_set1_ps(d8), GT[8]);
+        for (int k = 0; k < 8; ++k) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(buf + k), GT[k], acc);
+        float l8 = hsum8(_mm256_mul_ps(d, g8row)) + d8 * g88;
+        if (mu) {
+          acc = _mm256_mul_ps(acc, _mm256_loadu_ps(mu + r * 9));
+          l8 *= mu[r * 9 + 8];
+        }
+        _mm256_storeu_ps(dlam + r * 9, acc);
+        dlam[r * 9 + 8] = l8;
+      }
+    }
+    if (dg) {  // dg[n][k] += c[n] dh[k] over the block (rows still in L1), then into double
+      __m256 A[8], A8 = _mm256_setzero_ps(), Acol = _mm256_setzero_ps();
+      for (int n = 0; n < 8; ++n) A[n] = _mm256_setzero_ps();
+      float a88 = 0.f;
+      for (int64_t r = b0; r < b1; ++r) {
+        const float* lr = lam + r * 9;
+        __m256 c = _mm256_loadu_ps(lr);
+        float c8 = lr[8];
+        if (mu) {
+          c = _mm256_mul_ps(c, _mm256_loadu_ps(mu + r * 9));
+          c8 *= mu[r * 9 + 8];
+        }
+        const __m256 d = _mm256_loadu_ps(dh + r * 9);
+        const float d8 = dh[r * 9 + 8];
+        _mm256_store_ps(buf, c);
+        for (int n = 0; n < 8; ++n) A[n] = _mm256_fmadd_ps(_mm256_broadcast_ss(buf + n), d, A[n]);
+        A8 = _mm256_fmadd_ps(_mm256_set1_ps(c8), d, A8);
+        Acol = _mm256_fmadd_ps(c, _mm256_set1_ps(d8), Acol);
+        a88 += c8 * d8;
+      }
+      for (int n = 0; n < 8; ++n) {
+        _mm256_store_ps(tmp, A[n]);
+        for (int k = 0; k < 8; ++k) dg[n * 9 + k] += tmp[k];
+      }
+      _mm256_store_ps(tmp, A8);
+      for (int k = 0; k < 8; ++k) dg[72 + k] += tmp[k];
+      _mm256_store_ps(tmp, Acol);
+      for (int n = 0; n < 8; ++n) dg[n * 9 + 8] += tmp[n];
+      dg[80] += a88;
+    }
+  }
+}
+
 template <typename scalar_t>
-void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g /*N x K*/, int64_t rows,
-                      int64_t n, int64_t k, scalar_t* h) {
-#ifdef PRUNOPT_X86_DISPATCH
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+bool use_3x3(const Dims& d) {
+  return std::is_same<scalar_t, float>::value && d.n == 9 && d.k == 9 && use_avx2();
+}
 #endif
-  at::parallel_for(0, (rows + kRows - 1) / kRows, std::max<int64_t>(1, 2048 / (n * k + 1)), [&](int64_t b0, int64_t b1) {
+
+// Vectors per row for the vector path, or 0 for the scalar loops.
+template <typename scalar_t>
+int vectors_per_row(const Dims& d) {
+  if constexpr (!kVectorised<scalar_t>) {
+    return 0;
+  } else {
+    const int64_t c = (std::max(d.n, d.k) + kLanes<scalar_t> - 1) / kLanes<scalar_t>;
+    return c <= kMaxVecs ? static_cast<int>(c) : 0;
+  }
+}
+
+// rows x cols of src (double) into rows x (c * V) of the output dtype, zero padded.
+template <typename scalar_t>
+std::vector<scalar_t> padded(const double* src, int64_t rows, int64_t cols, int64_t width, bool transpose) {
+  std::vector<scalar_t> out(rows * width, scalar_t(0));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      out[i * width + j] = static_cast<scalar_t>(transpose ? src[j * rows + i] : src[i * cols + j]);
+  return out;
+}
+
+// Chunks of rows per task: enough rows to amortise a task (~16k multiply-adds).
+inline int64_t grain_rows(const Dims& d) { return std::max<int64_t>(kBlockRows, 16384 / std::max<int64_t>(1, d.n * d.k)); }
+
+template <typename scalar_t>
+void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, const Dims& d, scalar_t* h) {
+  const int c = vectors_per_row<scalar_t>(d);
+  if (c == 0) {
+    at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+      forward_rows_scalar(lam, mu, g, d, h, r0, r1);
+    });
+    return;
+  }
 #ifdef PRUNOPT_X86_DISPATCH
-    if (avx2) return blocks_avx2(lam, mu, g, rows, n, k, h, b0, b1);
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (use_3x3<scalar_t>(d)) {
+      at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+        forward_3x3_avx2(lam, mu, g, h, r0, r1);
+      });
+      return;
+    }
+  }
 #endif
-    blocks_default(lam, mu, g, rows, n, k, h, b0, b1);
+  if constexpr (kVectorised<scalar_t>) {
+    const auto gpad = padded<scalar_t>(g, d.n, d.k, c * kLanes<scalar_t>, false);
+    at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+#ifdef PRUNOPT_X86_DISPATCH
+      if (use_avx2()) return forward_avx2(lam, mu, gpad.data(), d, c, h, r0, r1);
+#endif
+      forward_default(lam, mu, gpad.data(), d, c, h, r0, r1);
+    });
+  }
+}
+
+// dg: n x k doubles (zeroed here). Chunks are fixed by the row count and the
+// grain, summed in double in chunk order.
+template <typename scalar_t>
+void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const scalar_t* mu, const double* g,
+                               const Dims& d, scalar_t* dlam, double* dg) {
+  const int c = vectors_per_row<scalar_t>(d);
+  const int64_t grain = grain_rows(d);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (d.rows + grain - 1) / grain));
+  const int64_t per_chunk = (d.rows + chunks - 1) / chunks;
+  std::vector<double> partial(dg ? chunks * d.n * d.k : 0, 0.0);
+  const auto gtpad = c ? padded<scalar_t>(g, d.k, d.n, c * kLanes<scalar_t>, true) : std::vector<scalar_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      const int64_t r0 = ch * per_chunk, r1 = std::min(d.rows, r0 + per_chunk);
+      if (r0 >= r1) continue;
+      double* dgc = dg ? partial.data() + ch * d.n * d.k : nullptr;
+      if (c == 0) {
+        backward_rows_scalar(dh, lam, mu, g, d, dlam, dgc, r0, r1);
+        continue;
+      }
+#ifdef PRUNOPT_X86_DISPATCH
+      if constexpr (std::is_same<scalar_t, float>::value) {
+        if (use_3x3<scalar_t>(d)) {
+          backward_3x3_avx2(dh, lam, mu, g, dlam, dgc, r0, r1);
+          continue;
+        }
+      }
+#endif
+      if constexpr (kVectorised<scalar_t>) {
+        BackwardArgs<scalar_t> a{dh, lam, mu, gtpad.data(), d, dlam, dgc};
+#ifdef PRUNOPT_X86_DISPATCH
+        if (use_avx2()) {
+          backward_avx2(a, c, r0, r1);
+          continue;
+        }
+#endif
+        backward_default(a, c, r0, r1);
+      }
+    }
   });
+  if (dg) {
+    std::fill(dg, dg + d.n * d.k, 0.0);
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      for (int64_t i = 0; i < d.n * d.k; ++i) dg[i] += partial[ch * d.n * d.k + i];
+  }
 }
 
 at::Tensor fb_reconstruct_cpu(const at::Tensor& coefficients, const at::Tensor& basis,
@@ -94,11 +496,41 @@ at::Tensor fb_reconstruct_cpu(const at::Tensor& coefficients, const at::Tensor& 
   auto lam = coefficients.contiguous();
   auto mu = mask.has_value() ? mask->contiguous() : at::Tensor();
   auto g = basis.to(at::kDouble).contiguous();
+  const Dims d{c_out * c_in_g, n, kh * kw};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, coefficients.scalar_type(), "fb_reconstruct", [&] {
     reconstruct_rows<scalar_t>(lam.data_ptr<scalar_t>(), mu.defined() ? mu.data_ptr<scalar_t>() : nullptr,
-        g.data_ptr<double>(), c_out * c_in_g, n, kh * kw, out.data_ptr<scalar_t>());
+        g.data_ptr<double>(), d, out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fb_reconstruct_backward_cpu(const at::Tensor& grad_h,
+    const at::Tensor& coefficients, const at::Tensor& basis, const c10::optional<at::Tensor>& mask,
+    std::array<bool, 2> output_mask) {
+  const char* op = "fb_reconstruct_backward";
+  check_fb_reconstruct_args(coefficients, basis, mask, op);
+  check_fb_grad_h(grad_h, coefficients, basis, op);
+  const int64_t n = coefficients.size(2), k = basis.size(1) * basis.size(2);
+  const Dims d{coefficients.size(0) * coefficients.size(1), n, k};
+  auto dlam = output_mask[0] ? at::empty(coefficients.sizes(), coefficients.options()) : at::Tensor();
+  auto dg = output_mask[1] ? at::empty({n, k}, coefficients.options().dtype(at::kDouble)) : at::Tensor();
+  if (output_mask[1]) dg.zero_();
+  if (d.rows > 0 && n > 0 && k > 0 && (output_mask[0] || output_mask[1])) {
+    auto dh = grad_h.contiguous();
+    auto lam = coefficients.contiguous();
+    auto mu = mask.has_value() ? mask->contiguous() : at::Tensor();
+    auto g = basis.to(at::kDouble).contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, coefficients.scalar_type(), "fb_reconstruct_backward", [&] {
+      reconstruct_backward_rows<scalar_t>(dh.data_ptr<scalar_t>(), lam.data_ptr<scalar_t>(),
+          mu.defined() ? mu.data_ptr<scalar_t>() : nullptr, g.data_ptr<double>(), d,
+          output_mask[0] ? dlam.data_ptr<scalar_t>() : nullptr, output_mask[1] ? dg.data_ptr<double>() : nullptr);
+    });
+  } else if (output_mask[0]) {
+    dlam.zero_();
+  }
+  return std::make_tuple(output_mask[0] ? dlam : at::empty({0}, coefficients.options()),
+                         output_mask[1] ? dg.to(basis.scalar_type()).reshape(basis.sizes())
+                                        : at::empty({0}, basis.options()));
 }
 
 }  // namespace
@@ -107,4 +539,5 @@ at::Tensor fb_reconstruct_cpu(const at::Tensor& coefficients, const at::Tensor& 
 
 TORCH_LIBRARY_IMPL(prunopt, CPU, m) {
   m.impl("fb_reconstruct", &prunopt::cpu::fb_reconstruct_cpu);
+  m.impl("fb_reconstruct_backward", &prunopt::cpu::fb_reconstruct_backward_cpu);
 }

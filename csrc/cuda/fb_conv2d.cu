@@ -2,7 +2,9 @@
 // eq. 4, 6, 8, Alg. 1): the three ops of csrc/cpu/fb_reconstruct.cpp and
 // csrc/cpu/fb_conv2d.cpp with simple, obviously correct kernels.
 //
-// * fb_reconstruct: one thread per filter tap h[m, k] = sum_n lam mu g[n, k].
+// * fb_reconstruct: one thread per filter tap h[m, k] = sum_n lam mu g[n, k];
+//   its backward one thread per coefficient for dlam and per-block double
+//   partial sums of dg, summed by ATen.
 // * sparse path: one thread per basis map entry Z[b, c, n, p] (im2col fused with
 //   the K^2 x N transform), then one thread per output Y[b, o, p] summing the
 //   CSR row o of lam * mu against Z (eq. 8). Sums in at::opmath_type.
@@ -17,6 +19,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <array>
+#include <tuple>
 
 #include "prunopt/fb_checks.h"
 #include "prunopt/fb_conv.h"
@@ -66,6 +71,84 @@ at::Tensor fb_reconstruct_cuda(const at::Tensor& coefficients, const at::Tensor&
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
+}
+
+// dlam[m, n] = mu[m, n] sum_k dh[m, k] g[n, k]   (eq. 7, A.13): one thread per coefficient.
+template <typename scalar_t>
+__global__ void reconstruct_grad_lam_kernel(const scalar_t* __restrict__ dh, const scalar_t* __restrict__ mu,
+                                            const scalar_t* __restrict__ g, int64_t rows, int64_t n, int64_t k,
+                                            scalar_t* __restrict__ dlam) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t m = i / n, j = i % n;
+  acc_t acc = 0;
+  for (int64_t kk = 0; kk < k; ++kk) acc += static_cast<acc_t>(dh[m * k + kk]) * static_cast<acc_t>(g[j * k + kk]);
+  if (mu != nullptr) acc *= static_cast<acc_t>(mu[i]);
+  dlam[i] = static_cast<scalar_t>(acc);
+}
+
+// Partial sums of dg[n, k] = sum_m lam[m, n] mu[m, n] dh[m, k] (A.14) in double:
+// block b sums rows [b * rows_per_block, ...), thread t the entries t, t + blockDim, ...
+template <typename scalar_t>
+__global__ void reconstruct_grad_basis_kernel(const scalar_t* __restrict__ dh, const scalar_t* __restrict__ lam,
+                                              const scalar_t* __restrict__ mu, int64_t rows, int64_t n, int64_t k,
+                                              int64_t rows_per_block, double* __restrict__ partial) {
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < rows ? r0 + rows_per_block : rows;
+  for (int64_t e = threadIdx.x; e < n * k; e += blockDim.x) {
+    const int64_t j = e / k, kk = e % k;
+    double acc = 0;
+    for (int64_t m = r0; m < r1; ++m) {
+      double c = static_cast<double>(lam[m * n + j]);
+      if (mu != nullptr) c *= static_cast<double>(mu[m * n + j]);
+      acc += c * static_cast<double>(dh[m * k + kk]);
+    }
+    partial[static_cast<int64_t>(blockIdx.x) * n * k + e] = acc;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fb_reconstruct_backward_cuda(const at::Tensor& grad_h,
+    const at::Tensor& coefficients, const at::Tensor& basis, const c10::optional<at::Tensor>& mask,
+    std::array<bool, 2> output_mask) {
+  const char* op = "fb_reconstruct_backward";
+  check_fb_reconstruct_args(coefficients, basis, mask, op);
+  check_fb_grad_h(grad_h, coefficients, basis, op);
+  const c10::cuda::CUDAGuard guard(coefficients.device());
+  const int64_t rows = coefficients.size(0) * coefficients.size(1), n = coefficients.size(2);
+  const int64_t k = basis.size(1) * basis.size(2);
+  auto dh = grad_h.contiguous();
+  auto lam = coefficients.contiguous();
+  auto mu = mask.has_value() ? mask->contiguous() : at::Tensor();
+  auto g = basis.contiguous();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor dlam = at::empty({0}, coefficients.options()), dg = at::empty({0}, basis.options());
+  if (output_mask[0]) {
+    dlam = at::empty(coefficients.sizes(), coefficients.options());
+    if (dlam.numel() > 0) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lam.scalar_type(), "fb_reconstruct_grad_lam", [&] {
+        reconstruct_grad_lam_kernel<scalar_t><<<blocks_for(dlam.numel()), kThreads, 0, stream>>>(
+            dh.data_ptr<scalar_t>(), mu.defined() ? mu.data_ptr<scalar_t>() : nullptr, g.data_ptr<scalar_t>(),
+            rows, n, k, dlam.data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+  }
+  if (output_mask[1]) {
+    constexpr int64_t kRowsPerBlock = 1024;
+    const int64_t blocks = rows > 0 ? (rows + kRowsPerBlock - 1) / kRowsPerBlock : 0;
+    auto partial = at::zeros({std::max<int64_t>(blocks, 1), n * k}, coefficients.options().dtype(at::kDouble));
+    if (blocks > 0 && n * k > 0) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lam.scalar_type(), "fb_reconstruct_grad_basis", [&] {
+        reconstruct_grad_basis_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+            dh.data_ptr<scalar_t>(), lam.data_ptr<scalar_t>(), mu.defined() ? mu.data_ptr<scalar_t>() : nullptr,
+            rows, n, k, kRowsPerBlock, partial.data_ptr<double>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+    dg = partial.sum(0).to(basis.scalar_type()).reshape(basis.sizes());
+  }
+  return std::make_tuple(dlam, dg);
 }
 
 struct Geometry {
@@ -217,6 +300,7 @@ at::Tensor fb_conv2d_csr_cuda(const at::Tensor& input, const at::Tensor& crow_in
 
 TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
   m.impl("fb_reconstruct", &prunopt::cuda::fb_reconstruct_cuda);
+  m.impl("fb_reconstruct_backward", &prunopt::cuda::fb_reconstruct_backward_cuda);
   m.impl("fb_conv2d", &prunopt::cuda::fb_conv2d_cuda);
   m.impl("fb_conv2d_csr", &prunopt::cuda::fb_conv2d_csr_cuda);
 }

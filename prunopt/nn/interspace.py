@@ -134,9 +134,11 @@ class FBConv2d(nn.Module):
         bias: optional Parameter ``(C_out,)``.
 
     In training (or whenever a gradient is needed) the forward pass reconstructs
-    the masked filters with a fused kernel and calls ``conv2d``; in inference
-    with a sparse mask it runs eq. 8 on a cached CSR of ``lam * mu`` (rebuilt
-    when ``coefficients`` or ``mask`` change).
+    the masked filters with a fused kernel and calls ``conv2d``. In ``eval()``
+    without gradients it caches the CSR of ``lam * mu`` (rebuilt when
+    ``coefficients``, ``mask`` or the basis change) and runs eq. 8 on it when the
+    cost model :func:`prunopt.ops_interspace.sparse_is_faster` predicts that it
+    beats ``conv2d``, else ``conv2d`` with the cached reconstructed filters.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
@@ -228,13 +230,55 @@ class FBConv2d(nn.Module):
             return tuple(d * (k - 1) // 2 for d, k in zip(self.dilation, self.kernel_size))
         return self.padding
 
-    def _compressed_coefficients(self):
-        key = (self.coefficients._version, self.mask._version, self.coefficients.data_ptr(), self.mask.data_ptr(),
-               self.coefficients.device, self.coefficients.dtype)
-        if self._compressed is None or self._compressed_key != key:
-            self._compressed = ops.fb_compress(self.coefficients.detach(), self.mask)
+    def _inference_cache(self) -> dict:
+        """The eval-mode cache: the CSR of ``lam * mu`` and, when the dense path is
+        taken, the reconstructed filters. Keyed by the versions and storages of
+        coefficients, mask and basis, so in-place updates (optimizer steps,
+        pruning) invalidate it; it is never used when a gradient is needed."""
+        lam, mu, g = self.coefficients, self.mask, self.basis.weight
+        key = (lam._version, mu._version, g._version, lam.data_ptr(), mu.data_ptr(), g.data_ptr(), lam.device,
+               lam.dtype, g.dtype)
+        if self._compressed_key != key:
+            self._compressed = {}
             self._compressed_key = key
         return self._compressed
+
+    def _compressed_coefficients(self) -> "ops_interspace.FBCompressed":
+        cache = self._inference_cache()
+        if "csr" not in cache:
+            cache["csr"] = ops.fb_compress(self.coefficients.detach(), self.mask)
+        return cache["csr"]
+
+    def _inference_forward(self, input: Tensor, padding) -> Tensor:
+        """Eval without gradients: eq. 8 on the cached CSR when the cost model
+        (:func:`prunopt.ops_interspace.sparse_is_faster`) says it beats
+        ``conv2d``, else ``conv2d`` with the cached reconstructed filters."""
+        comp = self._compressed_coefficients()
+        g = self.basis.weight
+        c_out, c_in_g, n = comp.shape
+        kh, kw = self.kernel_size
+        batched = input.dim() == 4
+        if input.dim() in (3, 4):
+            hw = input.shape[-2:]
+            ho = (hw[0] + 2 * padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+            wo = (hw[1] + 2 * padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
+            image = max(ho, 0) * max(wo, 0)
+            sparse = ops_interspace.sparse_is_faster(comp.values.numel(), c_out, c_in_g * self.groups, c_in_g, n,
+                                                     kh * kw, (input.shape[0] if batched else 1) * image, image)
+        else:
+            sparse = True  # a bad input: let the op raise its error
+        if not sparse:
+            cache = self._inference_cache()
+            if "filters" not in cache:
+                cache["filters"] = ops.fb_reconstruct(self.coefficients.detach(), g.detach(), self.mask)
+            return F.conv2d(input, cache["filters"], self.bias, self.stride, padding, self.dilation, self.groups)
+        if ops_interspace.has_csr_kernel(input) and input.dim() in (3, 4):
+            # the raw op checks every argument itself (ValueError naming it)
+            y = torch.ops.prunopt.fb_conv2d_csr(
+                input if batched else input.unsqueeze(0), comp.crow_indices, comp.col_indices, comp.values, g,
+                self.bias, self.stride, padding, self.dilation, self.groups)
+            return y if batched else y.squeeze(0)
+        return ops.fb_conv2d_compressed(input, comp, g, self.bias, self.stride, padding, self.dilation, self.groups)
 
     def density(self) -> float:
         """Fraction of non-zero masked coefficients ``||lam * mu||_0 / numel``."""
@@ -252,12 +296,7 @@ class FBConv2d(nn.Module):
             or (self.bias is not None and self.bias.requires_grad)
         )
         if not needs_grad and not self.training and not torch.compiler.is_compiling():
-            comp = self._compressed_coefficients()
-            if comp.values.numel() <= ops_interspace.AUTO_MAX_DENSITY * self.coefficients.numel():
-                return ops.fb_conv2d_compressed(input, comp, self.basis.weight, self.bias, self.stride, padding,
-                                                self.dilation, self.groups)
-            return ops.fb_conv2d(input, self.coefficients, self.basis.weight, self.mask, self.bias, self.stride,
-                                 padding, self.dilation, self.groups, path="dense")
+            return self._inference_forward(input, padding)
         return ops.fb_conv2d(input, self.coefficients, self.basis.weight, self.mask, self.bias, self.stride, padding,
                              self.dilation, self.groups)
 

@@ -76,6 +76,7 @@ REFERENCE_FOR_OP = {
     "topk_threshold": topk_threshold_reference,
     "prunadag_step_": prunadag_step_reference,
     "fb_reconstruct": fb_reconstruct_reference,
+    "fb_reconstruct_backward": fb_coefficient_grads_reference,
     "fb_conv2d": fb_conv2d_reference,
     "fb_conv2d_csr": fb_conv2d_sparse_reference,
     "rgf_relu": rgf_relu_reference,

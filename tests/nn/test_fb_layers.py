@@ -348,3 +348,18 @@ def test_torch_compile_model_with_fbconv2d():
     torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
     y.sum().backward()
     assert model[0].coefficients.grad is not None and model[0].basis.weight.grad is not None
+
+
+def test_eval_takes_both_paths_and_caches_the_dense_filters():
+    # dense path (full mask: cached reconstructed filters) and sparse path (1%)
+    for density, key in ((1.0, "filters"), (0.01, None)):
+        layer = FBConv2d(128, 128, 3, padding=1, basis=FilterBasis(3, init="orthonormal")).eval()
+        layer.mask.bernoulli_(density, generator=_gen())
+        x = torch.randn(2, 128, 8, 8)
+        ref = lambda: fb_conv2d_reference(x, layer.coefficients, layer.basis.weight, layer.mask, layer.bias, padding=1)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), ref(), atol=1e-3, rtol=0)
+            assert ("filters" in layer._compressed) == (key == "filters")
+            layer.coefficients.mul_(0.5)  # an in-place update invalidates the cache
+            torch.testing.assert_close(layer(x), ref(), atol=1e-4, rtol=0)
+            torch.testing.assert_close(layer(x[0]), ref()[0], atol=1e-4, rtol=0)  # unbatched

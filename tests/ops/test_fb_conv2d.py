@@ -268,3 +268,33 @@ def test_compress_round_trip():
     assert comp.values.numel() == int(((c * m) != 0).sum())
     assert comp.crow_indices.dtype == torch.int32 and comp.col_indices.dtype == torch.int32
     torch.testing.assert_close(_decompress(comp), c * m)
+
+
+def test_cost_model_picks_the_path_by_density_and_image_size():
+    from prunopt.ops_interspace import auto_max_density, sparse_is_faster
+
+    # a VGG layer at batch 1: dense at full density, sparse at 1%
+    total = 256 * 256 * 9
+    assert not sparse_is_faster(total, 256, 256, 256, 9, 9, 64)
+    assert sparse_is_faster(total // 100, 256, 256, 256, 9, 9, 64)
+    d = auto_max_density(256, 256, 256, 9, 9, 64)
+    assert 0.01 < d < 1.0
+    assert sparse_is_faster(int(0.99 * d * total), 256, 256, 256, 9, 9, 64)
+    assert not sparse_is_faster(int(1.01 * d * total) + 1, 256, 256, 256, 9, 9, 64)
+    # the first VGG layer (3 input channels) never profits from the sparse path
+    assert auto_max_density(64, 3, 3, 9, 9, 1024) < 0.05
+
+
+def test_auto_path_is_exact_on_both_sides_of_the_threshold():
+    from prunopt.ops_interspace import auto_max_density
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 64, 8, 8, generator=g)
+    coeff = torch.randn(64, 64, 9, generator=g)
+    basis = torch.randn(9, 3, 3, generator=g)
+    d = auto_max_density(64, 64, 64, 9, 9, 64)
+    for density in (d / 2, min(1.0, d * 1.5 + 0.05)):
+        mask = (torch.rand(coeff.shape, generator=g) < density).float()
+        exact = fb_conv2d_reference(x.double(), coeff.double(), basis.double(), mask.double(), None, 1, 1)
+        torch.testing.assert_close(fb_conv2d(x, coeff, basis, mask, None, 1, 1).double(), exact,
+                                   **_tol(torch.float32, 1 + float(exact.abs().max())))

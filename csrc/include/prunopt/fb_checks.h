@@ -37,6 +37,19 @@ inline void check_fb_reconstruct_args(const at::Tensor& coefficients, const at::
   }
 }
 
+// dL/dh of fb_reconstruct_backward: the shape (C_out, C_in/groups, kh, kw) of
+// the filters, the dtype and device of the coefficients.
+inline void check_fb_grad_h(const at::Tensor& grad_h, const at::Tensor& coefficients, const at::Tensor& basis,
+                            const char* op) {
+  TORCH_CHECK_VALUE(grad_h.dim() == 4 && grad_h.size(0) == coefficients.size(0) &&
+      grad_h.size(1) == coefficients.size(1) && grad_h.size(2) == basis.size(1) && grad_h.size(3) == basis.size(2),
+      op, ": grad_h must have the shape of the filters (", coefficients.size(0), ", ", coefficients.size(1), ", ",
+      basis.size(1), ", ", basis.size(2), "), got ", grad_h.sizes());
+  TORCH_CHECK_VALUE(grad_h.scalar_type() == coefficients.scalar_type(), op, ": grad_h must have dtype ",
+      coefficients.scalar_type(), ", got ", grad_h.scalar_type());
+  TORCH_CHECK_VALUE(grad_h.device() == coefficients.device(), op, ": grad_h must be on ", coefficients.device());
+}
+
 // Checks input / bias / conv arguments; returns the output size {B, C_out, Ho, Wo}.
 inline std::vector<int64_t> check_fb_conv_args(const at::Tensor& input, int64_t c_out, int64_t c_in_g,
     const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
