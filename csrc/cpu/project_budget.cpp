@@ -24,20 +24,19 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
 #include "prunopt/checks.h"
-#include <chrono>
-#include <cstdio>
-#define PTRACE(...) do { if (std::getenv("PRUNOPT_PTRACE")) std::fprintf(stderr, __VA_ARGS__); } while (0)
-#include <time.h>
-inline double pnow() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6; }
 #include "prunopt/projection_entry.h"
 #include "prunopt/cpu_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 #include "prunopt/projection.h"
 
@@ -466,7 +465,7 @@ double solve_lambda_histogram(const std::vector<Segment>& segs, int64_t total, d
     std::pair<double, double> hint = {0.0, 0.0}) {
   std::vector<ChunkAcc> accs(num_chunks(total));
   // Small inputs: a pass is cheaper than the sample; bracket [0, 1) instead.
-  auto [lo, hi] = hint.second > hint.first && hint.first >= 0.0 ? hint
+  auto [lo, hi] = hint.second > hint.first && hint.first >= 0.0 && std::isfinite(hint.second) ? hint
       : total < (1 << 16) ? std::pair<double, double>{0.0, 1.0}
                           : sample_bracket<scalar_t, kCost>(segs, total, budget);
   int64_t buckets = 4096;
@@ -560,6 +559,51 @@ constexpr double kZ = 4.0;              // bracket half-width in sample sigmas
 constexpr int kMaxFastLevels = 8;
 constexpr int64_t kCompactBlock = 8192; // elements per buffer reservation
 
+// Freed breakpoint buffers are kept for the next call (a few, at most 64 MB
+// in all): fresh memory from malloc costs a page fault per 4 KB, which at 1M
+// elements is as much as the pass itself.
+class BlockPool {
+ public:
+  static BlockPool& instance() {
+    static BlockPool* pool = new BlockPool();  // never destroyed: no exit-order issues
+    return *pool;
+  }
+  // The largest free block, or {nullptr, 0}.
+  std::pair<void*, size_t> take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blocks_.empty()) {
+      return {nullptr, 0};
+    }
+    auto best = std::max_element(blocks_.begin(), blocks_.end(),
+        [](const auto& x, const auto& y) { return x.second < y.second; });
+    const auto block = *best;
+    blocks_.erase(best);
+    bytes_ -= block.second;
+    return block;
+  }
+  void give(void* p, size_t bytes) {
+    if (p == nullptr) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (blocks_.size() < kMaxBlocks && bytes_ + bytes <= kMaxBytes) {
+        blocks_.emplace_back(p, bytes);
+        bytes_ += bytes;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+ private:
+  static constexpr size_t kMaxBlocks = 16;
+  static constexpr size_t kMaxBytes = size_t(64) << 20;
+  std::mutex mu_;
+  std::vector<std::pair<void*, size_t>> blocks_;
+  size_t bytes_ = 0;
+};
+
 // A growable buffer of trivially copyable values that the vector kernels may
 // write up to 8 values past its size (reserve() keeps that room).
 template <typename T>
@@ -574,11 +618,19 @@ struct RawBuf {
     o.n = o.cap = 0;
   }
   ~RawBuf() {
-    std::free(p);
+    BlockPool::instance().give(p, static_cast<size_t>(cap) * sizeof(T));
   }
   void reserve(int64_t k) {
     if (k <= cap) {
       return;
+    }
+    if (p == nullptr) {
+      const auto block = BlockPool::instance().take();
+      p = static_cast<T*>(block.first);
+      cap = static_cast<int64_t>(block.second / sizeof(T));
+      if (k <= cap) {
+        return;
+      }
     }
     const int64_t want = std::max<int64_t>(k, 2 * cap);
     T* q = static_cast<T*>(std::realloc(p, static_cast<size_t>(want) * sizeof(T)));
@@ -783,13 +835,26 @@ template <typename scalar_t, bool kCost>
 SmallSet gather_sample(const std::vector<Segment>& segs, int64_t total, int64_t m) {
   SmallSet s;
   const int64_t runs = std::max<int64_t>(1, (std::min(m, total) + kSampleRun - 1) / kSampleRun);
-  s.t.reserve(runs * kSampleRun);
+  s.t.resize(runs * kSampleRun);
   if (kCost) {
-    s.c.reserve(runs * kSampleRun);
+    s.c.resize(runs * kSampleRun);
   }
-  size_t seg = 0;
+  auto start = [&](int64_t k) { return (total / runs) * k + (total % runs) * k / runs; };
+  constexpr int64_t kAhead = 16;  // runs prefetched ahead (independent cache misses)
+  size_t seg = 0, pseg = 0;
+  int64_t out = 0;
   for (int64_t k = 0; k < runs; ++k) {
-    const int64_t g0 = (total / runs) * k + (total % runs) * k / runs;
+    if (k + kAhead < runs) {
+      const int64_t g = start(k + kAhead);
+      while (g >= segs[pseg].offset + segs[pseg].n) {
+        ++pseg;
+      }
+      __builtin_prefetch(static_cast<const scalar_t*>(segs[pseg].t) + (g - segs[pseg].offset));
+      if (kCost) {
+        __builtin_prefetch(static_cast<const scalar_t*>(segs[pseg].c) + (g - segs[pseg].offset));
+      }
+    }
+    const int64_t g0 = start(k);
     const int64_t g1 = std::min(total, g0 + kSampleRun);
     for (int64_t g = g0; g < g1; ++g) {
       while (g >= segs[seg].offset + segs[seg].n) {
@@ -798,14 +863,17 @@ SmallSet gather_sample(const std::vector<Segment>& segs, int64_t total, int64_t 
       const int64_t i = g - segs[seg].offset;
       const double t = static_cast<double>(static_cast<const scalar_t*>(segs[seg].t)[i]);
       const double c = kCost ? static_cast<double>(static_cast<const scalar_t*>(segs[seg].c)[i]) : 1.0;
-      if (!std::isfinite(t) || !std::isfinite(c) || !(c > 0)) {
-        continue;
-      }
-      s.t.push_back(t);
+      s.t[out] = t;
       if (kCost) {
-        s.c.push_back(c);
+        s.c[out] = c;
       }
+      // skip what is not finite or has a bad cost (the pass reports it)
+      out += std::isfinite(t) && std::isfinite(c) && c > 0;
     }
+  }
+  s.t.resize(out);
+  if (kCost) {
+    s.c.resize(out);
   }
   return s;
 }
@@ -848,8 +916,10 @@ Bracket sample_bracket_fast(const SmallSet& smp, int64_t population, const Piece
   const Root r = newton_root<kCost>(smp, w, base, budget, lo, b, false, start);
   const double mean = r.s1 / static_cast<double>(m);
   const double var = std::max(0.0, r.s2 / static_cast<double>(m) - mean * mean);
+  // no free sampled element: no error estimate; a narrow guess (a miss costs
+  // the fallback, a bracket over everything would copy all the data)
   double delta = r.slope > 0.0 ? kZ * w * std::sqrt(static_cast<double>(m) * var) / r.slope
-                               : std::numeric_limits<double>::infinity();
+                               : 1e-3 * std::max(1.0, std::abs(r.lam));
   delta = std::max(delta, 1e-12 * std::max(1.0, std::abs(r.lam)));
   const double a = std::max(lo, r.lam - delta);
   const double bb = std::min(hi, r.lam + delta);
@@ -1106,9 +1176,7 @@ double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budg
           b = std::max(b, kCost ? set.t[i] / set.c[i] : set.t[i]);
         }
       }
-      double T0 = pnow();
       const Root r = newton_root<kCost>(set, 1.0, base, budget, lo, b, true);
-      PTRACE("exact n=%lld %.3f ms status %d lam %.12g\n", (long long)set.size(), pnow()-T0, r.status, r.lam);
       if (r.status == 0) {
         return r.lam;
       }
@@ -1116,7 +1184,6 @@ double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budg
         return 0.0;  // phi(0) <= 0: slack budget
       }
       // lam* is outside the bracket: the sample was misleading
-      PTRACE("fallback: miss %d\n", r.status);
       return solve_lambda_histogram<scalar_t, kCost>(segs, total, budget, op,
           r.status < 0 ? std::pair<double, double>{0.0, lo} : std::pair<double, double>{hi, hi + std::max(1.0, hi)});
     }
@@ -1127,18 +1194,13 @@ double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budg
       count = n_in;
     }
     Bracket br{0.0, 0.0, 0.0};
-    double T0 = pnow(), T1 = T0;
     if (budget > 0.0) {
       const SmallSet smp = gather_sample<scalar_t, kCost>(in, count, level == 0 ? kSample0 : kSampleN);
-      T1 = pnow();
       br = sample_bracket_fast<kCost>(smp, count, base, budget, lo, hi);
     }
-    double T2 = pnow();
     std::vector<PassChunk<scalar_t>> next = level == 0
         ? compact_pass<scalar_t, kCost, true>(in, count, br.a, br.b, br.frac)
         : compact_pass<scalar_t, kCost, false>(in, count, br.a, br.b, br.frac);
-    double T3 = pnow(); { int64_t k = 0; for (auto& ch : next) k += ch.t.n;
-    PTRACE("level %d n=%lld gather %.3f newton %.3f pass %.3f -> [%.9g, %.9g] frac %.4f kept %lld\n", level, (long long)count, T1-T0, T2-T1, T3-T2, br.a, br.b, br.frac, (long long)k); }
     if (level == 0) {
       bool bad_theta = false, bad_cost = false;
       for (const auto& ch : next) {
@@ -1161,7 +1223,6 @@ double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budg
       count = total;  // tiny input: its buffer is solved exactly next
     }
   }
-  PTRACE("fallback: no progress\n");
   return solve_lambda_histogram<scalar_t, kCost>(segs, total, budget, op, {lo, hi});
 }
 
@@ -1192,6 +1253,30 @@ void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
   });
 }
 
+// A fresh output of many MB costs a page fault per 4 KB on its first write:
+// on the project's VM that is ~5x the time of the write itself. Where
+// transparent huge pages are enabled on request ("madvise", the common
+// default), asking for them for the output's 2 MB-aligned interior makes that
+// one fault per 2 MB (torch's own THP_MEM_ALLOC_ENABLE does the same). Only a
+// hint: without THP, or on other systems, nothing changes.
+void advise_huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  if (bytes < 4 * kHuge) {
+    return;
+  }
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (p + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (p + bytes) & ~(kHuge - 1);
+  if (end > begin) {
+    (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // a hint; errors are harmless
+  }
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 // Projects `inputs` (contiguous) into `outputs` (contiguous, may alias inputs).
 void project_into(
     const std::vector<at::Tensor>& inputs,
@@ -1212,6 +1297,11 @@ void project_into(
   }
   if (total == 0) {
     return;
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (outputs[i].data_ptr() != inputs[i].data_ptr()) {
+      advise_huge_pages(outputs[i].data_ptr(), outputs[i].nbytes());
+    }
   }
   const bool has_cost = !costs.empty();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "project_budget", [&] {
