@@ -252,19 +252,46 @@ __attribute__((target("avx2,fma"))) void fast_block(const float* tp, int64_t b, 
   }
 }
 
-__attribute__((target("avx2,fma"))) void fast_apply(const float* tp, float* op, int64_t b, int64_t e, double lam) {
+// clamp(t - lam, 0, 1) in double, rounded once to float. `stream`: the
+// output is not read (a fresh tensor): non-temporal stores skip reading its
+// cache lines before writing them.
+template <bool kStream>
+__attribute__((target("avx2,fma"))) void fast_apply_impl(const float* tp, float* op, int64_t b, int64_t e, double lam) {
   const __m256d L = _mm256_set1_pd(lam), Z = _mm256_setzero_pd(), O = _mm256_set1_pd(1.0);
   int64_t i = b;
+  if (kStream) {
+    for (; i < e && (reinterpret_cast<uintptr_t>(op + i) & 31) != 0; ++i) {
+      op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
+    }
+  }
   for (; i + 8 <= e; i += 8) {
     const __m256 x = _mm256_loadu_ps(tp + i);
     __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
     __m256d c = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
     a = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(a, L), Z), O);
     c = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(c, L), Z), O);
-    _mm256_storeu_ps(op + i, _mm256_set_m128(_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(a)));
+    const __m256 y = _mm256_set_m128(_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(a));
+    if (kStream) {
+      _mm256_stream_ps(op + i, y);
+    } else {
+      _mm256_storeu_ps(op + i, y);
+    }
   }
   for (; i < e; ++i) {
     op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
+  }
+  if (kStream) {
+    _mm_sfence();
+  }
+}
+
+constexpr int64_t kStreamMin = 1 << 20;  // elements per chunk; smaller outputs stay in cache
+
+void fast_apply(const float* tp, float* op, int64_t b, int64_t e, double lam) {
+  if (tp != op && e - b >= kStreamMin) {
+    fast_apply_impl<true>(tp, op, b, e, lam);
+  } else {
+    fast_apply_impl<false>(tp, op, b, e, lam);
   }
 }
 #endif  // x86-64 GCC/Clang
