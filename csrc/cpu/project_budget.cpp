@@ -1,6 +1,12 @@
 // Exact budget projection on the CPU (SPEC.md section 1).
 //
-// The multiplier lam* is found by a histogram-refined bisection: each pass over
+// solve_lambda (the fast solver, below) brackets the multiplier lam* from a
+// sample, sorts every element into L / U / F / "breakpoint inside the bracket"
+// in one fused pass (summing U and F in double, copying the last class into a
+// small buffer), and solves the buffer exactly; docs/projection.md has the
+// details. When the sample misleads, it falls back to solve_lambda_histogram:
+//
+// a histogram-refined bisection: each pass over
 // the data sorts every breakpoint (key2 = (t-1)/c and key1 = t/c) into one of B
 // buckets of the current bracket [lo, hi) and accumulates, per bucket, the sums
 // that define phi (prunopt/projection.h). A prefix scan over the buckets gives
@@ -9,12 +15,11 @@
 // no breakpoint, phi is a single linear piece there and its root is one
 // division: the result is the exact projection, not a bisection approximation.
 //
-// The first pass also validates the input (finite theta, positive finite cost)
-// and brackets optimistically with [0, 1], where lam* lies for scores that were
-// in [0, 1] before an optimizer step; on typical data two passes suffice, then
-// one pass writes clamp(t - lam* c, 0, 1). Passes run in parallel over fixed
-// chunks of all tensors at once (deterministic for a given thread count), reduce
-// in double and allocate nothing of size n.
+// Both validate the input (finite theta, positive finite cost) in their first
+// pass, before anything is written; then one pass writes
+// clamp(t - lam* c, 0, 1). Passes run in parallel over fixed chunks of all
+// tensors at once (deterministic for a given thread count) and reduce in
+// double.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
