@@ -1,6 +1,12 @@
 // Exact budget projection on the CPU (SPEC.md section 1).
 //
-// The multiplier lam* is found by a histogram-refined bisection: each pass over
+// solve_lambda (the fast solver, below) brackets the multiplier lam* from a
+// sample, sorts every element into L / U / F / "breakpoint inside the bracket"
+// in one fused pass (summing U and F in double, copying the last class into a
+// small buffer), and solves the buffer exactly; docs/projection.md has the
+// details. When the sample misleads, it falls back to solve_lambda_histogram:
+//
+// a histogram-refined bisection: each pass over
 // the data sorts every breakpoint (key2 = (t-1)/c and key1 = t/c) into one of B
 // buckets of the current bracket [lo, hi) and accumulates, per bucket, the sums
 // that define phi (prunopt/projection.h). A prefix scan over the buckets gives
@@ -9,12 +15,11 @@
 // no breakpoint, phi is a single linear piece there and its root is one
 // division: the result is the exact projection, not a bisection approximation.
 //
-// The first pass also validates the input (finite theta, positive finite cost)
-// and brackets optimistically with [0, 1], where lam* lies for scores that were
-// in [0, 1] before an optimizer step; on typical data two passes suffice, then
-// one pass writes clamp(t - lam* c, 0, 1). Passes run in parallel over fixed
-// chunks of all tensors at once (deterministic for a given thread count), reduce
-// in double and allocate nothing of size n.
+// Both validate the input (finite theta, positive finite cost) in their first
+// pass, before anything is written; then one pass writes
+// clamp(t - lam* c, 0, 1). Passes run in parallel over fixed chunks of all
+// tensors at once (deterministic for a given thread count) and reduce in
+// double.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -22,7 +27,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +39,9 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 #include "prunopt/projection.h"
 
@@ -247,19 +257,46 @@ __attribute__((target("avx2,fma"))) void fast_block(const float* tp, int64_t b, 
   }
 }
 
-__attribute__((target("avx2,fma"))) void fast_apply(const float* tp, float* op, int64_t b, int64_t e, double lam) {
+// clamp(t - lam, 0, 1) in double, rounded once to float. `stream`: the
+// output is not read (a fresh tensor): non-temporal stores skip reading its
+// cache lines before writing them.
+template <bool kStream>
+__attribute__((target("avx2,fma"))) void fast_apply_impl(const float* tp, float* op, int64_t b, int64_t e, double lam) {
   const __m256d L = _mm256_set1_pd(lam), Z = _mm256_setzero_pd(), O = _mm256_set1_pd(1.0);
   int64_t i = b;
+  if (kStream) {
+    for (; i < e && (reinterpret_cast<uintptr_t>(op + i) & 31) != 0; ++i) {
+      op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
+    }
+  }
   for (; i + 8 <= e; i += 8) {
     const __m256 x = _mm256_loadu_ps(tp + i);
     __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
     __m256d c = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
     a = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(a, L), Z), O);
     c = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(c, L), Z), O);
-    _mm256_storeu_ps(op + i, _mm256_set_m128(_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(a)));
+    const __m256 y = _mm256_set_m128(_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(a));
+    if (kStream) {
+      _mm256_stream_ps(op + i, y);
+    } else {
+      _mm256_storeu_ps(op + i, y);
+    }
   }
   for (; i < e; ++i) {
     op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
+  }
+  if (kStream) {
+    _mm_sfence();
+  }
+}
+
+constexpr int64_t kStreamMin = 1 << 20;  // elements per chunk; smaller outputs stay in cache
+
+void fast_apply(const float* tp, float* op, int64_t b, int64_t e, double lam) {
+  if (tp != op && e - b >= kStreamMin) {
+    fast_apply_impl<true>(tp, op, b, e, lam);
+  } else {
+    fast_apply_impl<false>(tp, op, b, e, lam);
   }
 }
 #endif  // x86-64 GCC/Clang
@@ -453,12 +490,16 @@ std::pair<double, double> sample_bracket(const std::vector<Segment>& segs, int64
   return {lo, hi};
 }
 
+// The fallback solver (see solve_lambda): correct for any input, at the price
+// of two or more passes. `hint`, if it is a valid bracket, replaces the sample.
 template <typename scalar_t, bool kCost>
-double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budget, const char* op) {
+double solve_lambda_histogram(const std::vector<Segment>& segs, int64_t total, double budget, const char* op,
+    std::pair<double, double> hint = {0.0, 0.0}) {
   std::vector<ChunkAcc> accs(num_chunks(total));
   // Small inputs: a pass is cheaper than the sample; bracket [0, 1) instead.
-  auto [lo, hi] = total < (1 << 16) ? std::pair<double, double>{0.0, 1.0}
-                                    : sample_bracket<scalar_t, kCost>(segs, total, budget);
+  auto [lo, hi] = hint.second > hint.first && hint.first >= 0.0 && std::isfinite(hint.second) ? hint
+      : total < (1 << 16) ? std::pair<double, double>{0.0, 1.0}
+                          : sample_bracket<scalar_t, kCost>(segs, total, budget);
   int64_t buckets = 4096;
   level_pass<scalar_t, kCost, true>(segs, total, lo, hi, buckets, accs);
   reduce_chunks(accs, buckets, /*first=*/true);
@@ -520,6 +561,703 @@ double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budg
   return hi;
 }
 
+// ===========================================================================
+// The fast solver: one pass over the data, then work on a small buffer.
+//
+// 1. A sample of the elements (short runs spread over the data) gives a guess
+//    lam_s of lam*: the root of the sampled phi, found exactly by the
+//    piece-wise Newton iteration below. Its error is estimated from the sample
+//    itself (the standard deviation of the sampled phi over its slope), and
+//    [a, b] = lam_s -+ kZ sigma brackets lam* with high probability.
+// 2. One fused pass over the data (all threads) validates the input and sorts
+//    every element into: L (key1 <= a: zero on all of [a, b]), U (key2 >= b:
+//    one), F (key2 <= a, key1 >= b: free on all of [a, b]), whose sums it
+//    accumulates in double, or B (a breakpoint strictly inside (a, b)), which it
+//    copies into a small per-chunk buffer (a few percent of the data). On [a, b]
+//    phi is then exactly   base(lam) + sum_{i in B} c_i clamp(t_i - lam c_i, 0, 1).
+// 3. The same two steps repeat on the buffer until it is small, then the exact
+//    piece-wise Newton iteration solves it, with the double sums of the base.
+// A bracket that misses lam* is detected at the end (phi(a) <= 0 or
+// phi(b) > 0 on the final set), as is a buffer that does not shrink (many equal
+// breakpoints at lam*): both fall back to the histogram solver above, which is
+// correct for any input. The result never depends on the sample, only the time.
+// ===========================================================================
+
+constexpr int64_t kSample0 = 8192;      // sampled elements at the first level
+constexpr int64_t kSampleN = 2048;      // at the buffer levels
+constexpr int64_t kSampleRun = 8;       // consecutive elements per sample read
+constexpr int64_t kExactMax = 4096;     // sets this small are solved exactly
+constexpr double kZ = 4.0;              // bracket half-width in sample sigmas
+constexpr int kMaxFastLevels = 8;
+constexpr int64_t kCompactBlock = 8192; // elements per buffer reservation
+
+// Freed breakpoint buffers are kept for the next call (a few, at most 64 MB
+// in all): fresh memory from malloc costs a page fault per 4 KB, which at 1M
+// elements is as much as the pass itself.
+class BlockPool {
+ public:
+  static BlockPool& instance() {
+    static BlockPool* pool = new BlockPool();  // never destroyed: no exit-order issues
+    return *pool;
+  }
+  // The largest free block, or {nullptr, 0}.
+  std::pair<void*, size_t> take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blocks_.empty()) {
+      return {nullptr, 0};
+    }
+    auto best = std::max_element(blocks_.begin(), blocks_.end(),
+        [](const auto& x, const auto& y) { return x.second < y.second; });
+    const auto block = *best;
+    blocks_.erase(best);
+    bytes_ -= block.second;
+    return block;
+  }
+  void give(void* p, size_t bytes) {
+    if (p == nullptr) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (blocks_.size() < kMaxBlocks && bytes_ + bytes <= kMaxBytes) {
+        blocks_.emplace_back(p, bytes);
+        bytes_ += bytes;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+ private:
+  static constexpr size_t kMaxBlocks = 16;
+  static constexpr size_t kMaxBytes = size_t(64) << 20;
+  std::mutex mu_;
+  std::vector<std::pair<void*, size_t>> blocks_;
+  size_t bytes_ = 0;
+};
+
+// A growable buffer of trivially copyable values that the vector kernels may
+// write up to 8 values past its size (reserve() keeps that room).
+template <typename T>
+struct RawBuf {
+  T* p = nullptr;
+  int64_t n = 0, cap = 0;
+  RawBuf() = default;
+  RawBuf(const RawBuf&) = delete;
+  RawBuf& operator=(const RawBuf&) = delete;
+  RawBuf(RawBuf&& o) noexcept : p(o.p), n(o.n), cap(o.cap) {
+    o.p = nullptr;
+    o.n = o.cap = 0;
+  }
+  ~RawBuf() {
+    BlockPool::instance().give(p, static_cast<size_t>(cap) * sizeof(T));
+  }
+  void reserve(int64_t k) {
+    if (k <= cap) {
+      return;
+    }
+    if (p == nullptr) {
+      const auto block = BlockPool::instance().take();
+      p = static_cast<T*>(block.first);
+      cap = static_cast<int64_t>(block.second / sizeof(T));
+      if (k <= cap) {
+        return;
+      }
+    }
+    const int64_t want = std::max<int64_t>(k, 2 * cap);
+    T* q = static_cast<T*>(std::realloc(p, static_cast<size_t>(want) * sizeof(T)));
+    TORCH_CHECK(q != nullptr, "project_budget: out of memory for the breakpoint buffer");
+    p = q;
+    cap = want;
+  }
+};
+
+// One chunk's share of a compaction pass.
+template <typename scalar_t>
+struct PassChunk {
+  Piece base;                  // U and F sums over [a, b]
+  RawBuf<scalar_t> t, c;       // the elements with a breakpoint inside (a, b)
+  bool bad_theta = false, bad_cost = false;
+};
+
+// A small set of elements in double, with the costs (empty: unit costs).
+struct SmallSet {
+  std::vector<double> t, c;
+  int64_t size() const {
+    return static_cast<int64_t>(t.size());
+  }
+};
+
+// U and F sums of a small set on the piece just right of lam, that piece's
+// ends [kb, ka] (the nearest breakpoints <= lam and > lam), and the first two
+// moments of the terms c_i clamp(t_i - lam c_i, 0, 1) (for the sample error).
+struct PieceAt {
+  Piece p;
+  double kb, ka, s1, s2;
+};
+
+// One element's share of piece_at (scalar path and vector tails).
+template <bool kCost>
+inline void piece_one(double t, double c, double lam, PieceAt& r) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double k1 = kCost ? t / c : t;
+  const double k2 = kCost ? (t - 1.0) / c : t - 1.0;
+  const bool up = k2 > lam;
+  const bool fr = !up && k1 > lam;
+  r.p.u_c += cpu_math::select_lt(lam, k2, c);
+  r.p.f_ct += static_cast<double>(fr) * (c * t);
+  r.p.f_cc += static_cast<double>(fr) * (c * c);
+  const double v = c * cpu_math::clamp01(t - lam * c);
+  r.s1 += v;
+  r.s2 += v * v;
+  r.kb = std::max(r.kb, k1 <= lam ? k1 : (k2 <= lam ? k2 : -kInf));
+  r.ka = std::min(r.ka, up ? k2 : (k1 > lam ? k1 : kInf));
+}
+
+template <bool kCost>
+PieceAt piece_at_scalar(const SmallSet& s, double lam, int64_t begin = 0) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  PieceAt r{Piece{}, -kInf, kInf, 0.0, 0.0};
+  for (int64_t i = begin; i < s.size(); ++i) {
+    piece_one<kCost>(s.t[i], kCost ? s.c[i] : 1.0, lam, r);
+  }
+  return r;
+}
+
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+__attribute__((target("avx2,fma"))) inline double hmax(__m256d v) {
+  alignas(32) double x[4];
+  _mm256_store_pd(x, v);
+  return std::max(std::max(x[0], x[1]), std::max(x[2], x[3]));
+}
+__attribute__((target("avx2,fma"))) inline double hmin(__m256d v) {
+  alignas(32) double x[4];
+  _mm256_store_pd(x, v);
+  return std::min(std::min(x[0], x[1]), std::min(x[2], x[3]));
+}
+
+template <bool kCost>
+__attribute__((target("avx2,fma"))) PieceAt piece_at_avx2(const SmallSet& s, double lam) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double* T = s.t.data();
+  const double* C = kCost ? s.c.data() : nullptr;
+  const int64_t m = s.size();
+  const __m256d L = _mm256_set1_pd(lam), one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+  const __m256d pinf = _mm256_set1_pd(kInf), ninf = _mm256_set1_pd(-kInf);
+  __m256d u = zero, ft = zero, fcc = zero, s1 = zero, s2 = zero, kb = ninf, ka = pinf;
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) {
+    const __m256d t = _mm256_loadu_pd(T + i);
+    const __m256d c = kCost ? _mm256_loadu_pd(C + i) : one;
+    const __m256d k1 = kCost ? _mm256_div_pd(t, c) : t;
+    const __m256d k2 = kCost ? _mm256_div_pd(_mm256_sub_pd(t, one), c) : _mm256_sub_pd(t, one);
+    const __m256d up = _mm256_cmp_pd(k2, L, _CMP_GT_OQ);
+    const __m256d gt1 = _mm256_cmp_pd(k1, L, _CMP_GT_OQ);
+    const __m256d fr = _mm256_andnot_pd(up, gt1);
+    u = _mm256_add_pd(u, _mm256_and_pd(up, c));
+    ft = _mm256_add_pd(ft, _mm256_and_pd(fr, _mm256_mul_pd(c, t)));
+    fcc = _mm256_add_pd(fcc, _mm256_and_pd(fr, _mm256_mul_pd(c, c)));
+    __m256d v = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(t, _mm256_mul_pd(L, c)), zero), one);
+    v = _mm256_mul_pd(v, c);
+    s1 = _mm256_add_pd(s1, v);
+    s2 = _mm256_add_pd(s2, _mm256_mul_pd(v, v));
+    const __m256d le1 = _mm256_cmp_pd(k1, L, _CMP_LE_OQ), le2 = _mm256_cmp_pd(k2, L, _CMP_LE_OQ);
+    kb = _mm256_max_pd(kb, _mm256_blendv_pd(_mm256_blendv_pd(ninf, k2, le2), k1, le1));
+    ka = _mm256_min_pd(ka, _mm256_blendv_pd(_mm256_blendv_pd(pinf, k1, gt1), k2, up));
+  }
+  PieceAt r = piece_at_scalar<kCost>(s, lam, i);
+  r.p.merge(Piece{hsum(u), hsum(ft), hsum(fcc)});
+  r.s1 += hsum(s1);
+  r.s2 += hsum(s2);
+  r.kb = std::max(r.kb, hmax(kb));
+  r.ka = std::min(r.ka, hmin(ka));
+  return r;
+}
+#endif
+
+// Sums, piece ends and moments at lam (AVX2 when available).
+template <bool kCost>
+PieceAt piece_at(const SmallSet& s, double lam) {
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+  if (cpu_has_avx2()) {
+    return piece_at_avx2<kCost>(s, lam);
+  }
+#endif
+  return piece_at_scalar<kCost>(s, lam);
+}
+
+// Root of phi(lam) = base(lam) + w sum_{i in s} c_i clamp(t_i - lam c_i, 0, 1) - S
+// on [a, b] (b finite): w = 1 is the exact problem of a set, w = N/m the
+// sampled estimate of N elements. Newton on phi's pieces, safeguarded by
+// bisection: each step evaluates the piece right of lam; its root, when it
+// lies on that piece, is the exact root (one division). status: -1 if
+// phi(a) <= 0 (lam = a), +1 if the root lies above b (lam = b; only detected
+// with check_b), 0 otherwise.
+struct Root {
+  double lam;
+  int status;
+  double s1, s2, slope;  // moments and slope of the last piece evaluated
+};
+
+template <bool kCost>
+Root newton_root(const SmallSet& s, double w, const Piece& base, double budget, double a, double b, bool check_b,
+    double start = std::numeric_limits<double>::quiet_NaN()) {
+  auto total = [&](const PieceAt& r) {
+    return Piece{base.u_c + w * r.p.u_c, base.f_ct + w * r.p.f_ct, base.f_cc + w * r.p.f_cc};
+  };
+  const bool warm = start > a && start < b;  // a guess inside: no status at a
+  double lam = warm ? start : a;
+  PieceAt r = piece_at<kCost>(s, lam);
+  Piece q = total(r);
+  if (!warm && projection::phi(q, a, budget) <= 0.0) {
+    return Root{a, -1, r.s1, r.s2, q.f_cc};
+  }
+  if (check_b) {
+    if (!(b > a)) {
+      return Root{b, 1, r.s1, r.s2, q.f_cc};  // phi(b) = phi(a) > 0
+    }
+    const PieceAt rb = piece_at<kCost>(s, b);
+    const Piece qb = total(rb);
+    if (projection::phi(qb, b, budget) > 0.0) {
+      return Root{b, 1, rb.s1, rb.s2, qb.f_cc};
+    }
+  }
+  double width2 = b - a, width1 = b - a;  // the bracket's width two and one steps ago
+  for (int it = 0; it < 400; ++it) {
+    const double ph = projection::phi(q, lam, budget);
+    if (ph == 0.0) {
+      return Root{lam, 0, r.s1, r.s2, q.f_cc};
+    }
+    if (ph > 0.0) {
+      a = lam;
+    } else {
+      b = lam;
+    }
+    double next = std::numeric_limits<double>::quiet_NaN();
+    if (q.f_cc > 0.0) {
+      // phi is this linear piece on [kb, ka] (the set's breakpoints) within
+      // [a, b] (inside the bracket, where the base is linear): exact root
+      const double root = (q.u_c + q.f_ct - budget) / q.f_cc;
+      if (root >= std::max(r.kb, a) && root <= std::min(r.ka, b)) {
+        return Root{root, 0, r.s1, r.s2, q.f_cc};
+      }
+      next = root;
+    }
+    // bisect if Newton leaves the bracket or the bracket did not halve in
+    // two steps (guaranteed progress when the pieces are many and tiny)
+    if (!(next > a && next < b) || (it >= 1 && b - a > 0.5 * width2)) {
+      next = a + 0.5 * (b - a);
+    }
+    width2 = width1;
+    width1 = b - a;
+    if (!(next > a && next < b)) {
+      return Root{b, 0, r.s1, r.s2, q.f_cc};  // a and b adjacent doubles
+    }
+    lam = next;
+    r = piece_at<kCost>(s, lam);
+    q = total(r);
+  }
+  return Root{b, 0, r.s1, r.s2, q.f_cc};
+}
+
+// Copies `m` elements spread over [0, total) into a small set, in runs of
+// kSampleRun consecutive elements (one or two cache lines per read). Elements
+// that are not finite or have a bad cost are skipped (the pass reports them).
+template <typename scalar_t, bool kCost>
+SmallSet gather_sample(const std::vector<Segment>& segs, int64_t total, int64_t m) {
+  SmallSet s;
+  const int64_t runs = std::max<int64_t>(1, (std::min(m, total) + kSampleRun - 1) / kSampleRun);
+  s.t.resize(runs * kSampleRun);
+  if (kCost) {
+    s.c.resize(runs * kSampleRun);
+  }
+  auto start = [&](int64_t k) { return (total / runs) * k + (total % runs) * k / runs; };
+  constexpr int64_t kAhead = 16;  // runs prefetched ahead (independent cache misses)
+  size_t seg = 0, pseg = 0;
+  int64_t out = 0;
+  for (int64_t k = 0; k < runs; ++k) {
+    if (k + kAhead < runs) {
+      const int64_t g = start(k + kAhead);
+      while (g >= segs[pseg].offset + segs[pseg].n) {
+        ++pseg;
+      }
+      __builtin_prefetch(static_cast<const scalar_t*>(segs[pseg].t) + (g - segs[pseg].offset));
+      if (kCost) {
+        __builtin_prefetch(static_cast<const scalar_t*>(segs[pseg].c) + (g - segs[pseg].offset));
+      }
+    }
+    const int64_t g0 = start(k);
+    const int64_t g1 = std::min(total, g0 + kSampleRun);
+    for (int64_t g = g0; g < g1; ++g) {
+      while (g >= segs[seg].offset + segs[seg].n) {
+        ++seg;
+      }
+      const int64_t i = g - segs[seg].offset;
+      const double t = static_cast<double>(static_cast<const scalar_t*>(segs[seg].t)[i]);
+      const double c = kCost ? static_cast<double>(static_cast<const scalar_t*>(segs[seg].c)[i]) : 1.0;
+      s.t[out] = t;
+      if (kCost) {
+        s.c[out] = c;
+      }
+      // skip what is not finite or has a bad cost (the pass reports it)
+      out += std::isfinite(t) && std::isfinite(c) && c > 0;
+    }
+  }
+  s.t.resize(out);
+  if (kCost) {
+    s.c.resize(out);
+  }
+  return s;
+}
+
+struct Bracket {
+  double a, b;
+  double frac;  // fraction of the sample with a breakpoint inside (a, b)
+};
+
+// [a, b] within [lo, hi] around the sampled root: kZ standard deviations of
+// the sampled phi, divided by its slope (the free set's sum of c^2).
+template <bool kCost>
+Bracket sample_bracket_fast(const SmallSet& smp, int64_t population, const Piece& base, double budget, double lo,
+    double hi) {
+  const int64_t m = smp.size();
+  if (m == 0) {
+    return Bracket{lo, hi, 1.0};
+  }
+  double b = hi;
+  if (!std::isfinite(b)) {  // phi(max key1) = base - S <= 0 on the sample (base = 0 here)
+    b = lo;
+    for (int64_t i = 0; i < m; ++i) {
+      b = std::max(b, kCost ? smp.t[i] / smp.c[i] : smp.t[i]);
+    }
+  }
+  const double w = static_cast<double>(population) / static_cast<double>(m);
+  // warm start: the root of every 8th sampled element (8x cheaper steps)
+  double start = std::numeric_limits<double>::quiet_NaN();
+  if (m >= 2048) {
+    SmallSet sub;
+    for (int64_t i = 0; i < m; i += 8) {
+      sub.t.push_back(smp.t[i]);
+      if (kCost) {
+        sub.c.push_back(smp.c[i]);
+      }
+    }
+    start = newton_root<kCost>(sub, static_cast<double>(population) / static_cast<double>(sub.size()), base, budget,
+        lo, b, false).lam;
+  }
+  const Root r = newton_root<kCost>(smp, w, base, budget, lo, b, false, start);
+  const double mean = r.s1 / static_cast<double>(m);
+  const double var = std::max(0.0, r.s2 / static_cast<double>(m) - mean * mean);
+  // no free sampled element: no error estimate; a narrow guess (a miss costs
+  // the fallback, a bracket over everything would copy all the data)
+  double delta = r.slope > 0.0 ? kZ * w * std::sqrt(static_cast<double>(m) * var) / r.slope
+                               : 1e-3 * std::max(1.0, std::abs(r.lam));
+  delta = std::max(delta, 1e-12 * std::max(1.0, std::abs(r.lam)));
+  const double a = std::max(lo, r.lam - delta);
+  const double bb = std::min(hi, r.lam + delta);
+  int64_t inside = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const double c = kCost ? smp.c[i] : 1.0;
+    const double k1 = smp.t[i] / c, k2 = (smp.t[i] - 1.0) / c;
+    inside += (k1 > a && k1 < bb) || (k2 > a && k2 < bb);
+  }
+  return Bracket{a, bb, static_cast<double>(inside) / static_cast<double>(m)};
+}
+
+// Scalar compaction of [b0, e0) of one segment (any dtype, any costs).
+template <typename scalar_t, bool kCost, bool kValidate>
+void scalar_compact(const scalar_t* tp, const scalar_t* cp, int64_t b0, int64_t e0, double a, double b,
+    PassChunk<scalar_t>& out, double& bad_t, double& bad_c) {
+  double u = 0, ft = 0, fcc = 0;
+  for (int64_t blk = b0; blk < e0; blk += kCompactBlock) {
+    const int64_t be = std::min(e0, blk + kCompactBlock);
+    out.t.reserve(out.t.n + (be - blk) + 8);
+    if (kCost) {
+      out.c.reserve(out.t.n + (be - blk) + 8);
+    }
+    scalar_t* bt = out.t.p;
+    scalar_t* bc = out.c.p;
+    int64_t pos = out.t.n;
+    for (int64_t i = blk; i < be; ++i) {
+      const double t = static_cast<double>(tp[i]);
+      const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
+      const double k1 = kCost ? t / c : t;
+      const double k2 = kCost ? (t - 1.0) / c : t - 1.0;
+      const bool in_b = ((k1 > a) & (k1 < b)) | ((k2 > a) & (k2 < b));
+      const double is_u = static_cast<double>(!in_b & (k2 >= b));
+      const double is_f = static_cast<double>(!in_b & (k2 <= a) & (k1 >= b));
+      u += is_u * c;
+      ft += is_f * (c * t);
+      fcc += is_f * (c * c);
+      bt[pos] = tp[i];
+      if (kCost) {
+        bc[pos] = cp[i];
+      }
+      pos += in_b;
+      if (kValidate) {
+        bad_t += t - t;  // 0 for finite t, nan otherwise
+        if (kCost) {
+          bad_c += (c - c) + cpu_math::select_lt(c, 0.0, 1.0) + static_cast<double>(c == 0.0);
+        }
+      }
+    }
+    out.t.n = pos;
+    if (kCost) {
+      out.c.n = pos;
+    }
+  }
+  out.base.merge(Piece{u, ft, fcc});
+}
+
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+// Permutations that move the lanes selected by an 8-bit mask to the front.
+struct PermTable {
+  alignas(32) int32_t idx[256][8];
+  PermTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int k = 0;
+      for (int j = 0; j < 8; ++j) {
+        if (mask >> j & 1) {
+          idx[mask][k++] = j;
+        }
+      }
+      while (k < 8) {
+        idx[mask][k++] = 0;
+      }
+    }
+  }
+};
+
+const PermTable& perm_table() {
+  static const PermTable table;
+  return table;
+}
+
+// Largest float <= x.
+inline float floor_to_float(double x) {
+  float f = static_cast<float>(x);
+  if (static_cast<double>(f) > x) {
+    f = std::nextafter(f, -std::numeric_limits<float>::infinity());
+  }
+  return f;
+}
+
+__attribute__((target("avx2,fma"))) inline int64_t hsum_epi32(__m256i v) {
+  alignas(32) int32_t x[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(x), v);
+  int64_t s = 0;
+  for (int32_t y : x) s += y;
+  return s;
+}
+
+// The compaction pass for float32 scores with unit costs. With t float and a
+// double threshold x: t > x <=> t > floor_f(x), t < x <=> t < ceil_f(x), so
+// the float comparisons below are the double comparisons of the scalar path
+// against a, b, a + 1, b + 1 (breakpoints key1 = t, key2 = t - 1):
+//   B: a < t < b or a + 1 < t < b + 1;  U: t >= b + 1;  F: b <= t <= a + 1.
+// Counts are kept in int32 lanes per block, the F sum in double lanes, and the
+// B elements are stored with a permute (no branch per element).
+__attribute__((target("avx2,fma"))) void fast_compact(const float* tp, int64_t b0, int64_t e0, double a, double b,
+    PassChunk<float>& out, bool& bad) {
+  const double a1 = a + 1.0, b1 = b + 1.0;
+  const __m256 A1 = _mm256_set1_ps(floor_to_float(a)), B1 = _mm256_set1_ps(ceil_to_float(b));
+  const __m256 A2 = _mm256_set1_ps(floor_to_float(a1)), B2 = _mm256_set1_ps(ceil_to_float(b1));
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 fmax = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const PermTable& P = perm_table();
+  int64_t not_u = 0, not_f = 0;
+  double ft = 0;
+  for (int64_t blk = b0; blk < e0; blk += kCompactBlock) {
+    const int64_t be = std::min(e0, blk + kCompactBlock);
+    out.t.reserve(out.t.n + (be - blk) + 8);
+    float* buf = out.t.p;
+    int64_t pos = out.t.n;
+    __m256i cu = _mm256_setzero_si256(), cf = cu;
+    __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    int64_t i = blk;
+    for (; i + 8 <= be; i += 8) {
+      const __m256 x = _mm256_loadu_ps(tp + i);
+      const __m256 lt_b = _mm256_cmp_ps(x, B1, _CMP_LT_OQ);
+      const __m256 gt_a1 = _mm256_cmp_ps(x, A2, _CMP_GT_OQ);
+      const __m256 lt_b1 = _mm256_cmp_ps(x, B2, _CMP_LT_OQ);
+      const __m256 in_b = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(x, A1, _CMP_GT_OQ), lt_b),
+          _mm256_and_ps(gt_a1, lt_b1));
+      const __m256 not_free = _mm256_or_ps(lt_b, gt_a1);
+      const __m256 fx = _mm256_andnot_ps(not_free, x);
+      cu = _mm256_sub_epi32(cu, _mm256_castps_si256(lt_b1));
+      cf = _mm256_sub_epi32(cf, _mm256_castps_si256(not_free));
+      s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(fx)));
+      s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(fx, 1)));
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(x, absmask), fmax, _CMP_LE_OQ));
+      const int bits = _mm256_movemask_ps(in_b);
+      const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(P.idx[bits]));
+      _mm256_storeu_ps(buf + pos, _mm256_permutevar8x32_ps(x, idx));
+      pos += __builtin_popcount(static_cast<unsigned>(bits));
+    }
+    not_u += hsum_epi32(cu);
+    not_f += hsum_epi32(cf);
+    ft += hsum(_mm256_add_pd(s0, s1));
+    bad |= _mm256_movemask_ps(ok) != 0xff;
+    for (; i < be; ++i) {  // the last < 8 elements, in double
+      const double t = tp[i];
+      bad |= !std::isfinite(t);
+      const bool in_b = (t > a && t < b) || (t > a1 && t < b1);
+      const bool nf = t < b || t > a1;
+      not_u += t < b1;
+      not_f += nf;
+      ft += nf ? 0.0 : t;
+      buf[pos] = tp[i];
+      pos += in_b;
+    }
+    out.t.n = pos;
+  }
+  const double len = static_cast<double>(e0 - b0);
+  out.base.merge(Piece{len - static_cast<double>(not_u), ft, len - static_cast<double>(not_f)});
+}
+#endif  // PRUNOPT_HAVE_AVX2_PATH
+
+// One compaction pass over all segments with the bracket [a, b], in parallel
+// over fixed chunks (deterministic for a given thread count).
+template <typename scalar_t, bool kCost, bool kValidate>
+std::vector<PassChunk<scalar_t>> compact_pass(
+    const std::vector<Segment>& segs, int64_t total, double a, double b, double frac) {
+  const int64_t nchunks = num_chunks(total);
+  std::vector<PassChunk<scalar_t>> chunks(nchunks);
+  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      PassChunk<scalar_t>& out = chunks[ch];
+      const int64_t begin = total * ch / nchunks, end = total * (ch + 1) / nchunks;
+      // room for the expected share of the buffer (it grows if needed)
+      const int64_t expect = static_cast<int64_t>(std::min(1.0, 1.5 * frac + 0.002) * static_cast<double>(end - begin));
+      out.t.reserve(expect + 64);
+      if (kCost) {
+        out.c.reserve(expect + 64);
+      }
+      double bad_t = 0, bad_c = 0;
+      bool bad_fast = false;
+      for_each_piece(segs, begin, end, [&](const Segment& s, int64_t lb, int64_t le) {
+        const scalar_t* tp = static_cast<const scalar_t*>(s.t);
+        const scalar_t* cp = static_cast<const scalar_t*>(s.c);
+#ifdef PRUNOPT_HAVE_AVX2_PATH
+        if constexpr (std::is_same_v<scalar_t, float> && !kCost) {
+          if (cpu_has_avx2()) {
+            fast_compact(tp, lb, le, a, b, out, bad_fast);
+            return;
+          }
+        }
+#endif
+        scalar_compact<scalar_t, kCost, kValidate>(tp, cp, lb, le, a, b, out, bad_t, bad_c);
+      });
+      if (kValidate) {
+        out.bad_theta = bad_fast || !(bad_t == 0.0);  // nan-propagating
+        out.bad_cost = !(bad_c == 0.0);
+      }
+    }
+  });
+  return chunks;
+}
+
+template <typename scalar_t, bool kCost>
+std::vector<Segment> buffer_segments(const std::vector<PassChunk<scalar_t>>& chunks, int64_t& total) {
+  std::vector<Segment> segs;
+  total = 0;
+  for (const auto& ch : chunks) {
+    if (ch.t.n > 0) {
+      segs.push_back(Segment{ch.t.p, kCost ? ch.c.p : nullptr, nullptr, ch.t.n, total});
+      total += ch.t.n;
+    }
+  }
+  return segs;
+}
+
+template <typename scalar_t, bool kCost>
+SmallSet gather_all(const std::vector<PassChunk<scalar_t>>& chunks) {
+  SmallSet s;
+  for (const auto& ch : chunks) {
+    for (int64_t i = 0; i < ch.t.n; ++i) {
+      s.t.push_back(static_cast<double>(ch.t.p[i]));
+      if (kCost) {
+        s.c.push_back(static_cast<double>(ch.c.p[i]));
+      }
+    }
+  }
+  return s;
+}
+
+// lam* = max(0, lam1) (0: slack budget, +inf: zero budget), validating the
+// input first. Throws ValueError naming the argument before anything is
+// written.
+template <typename scalar_t, bool kCost>
+double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budget, const char* op) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  Piece base;
+  double lo = 0.0, hi = kInf;
+  std::vector<PassChunk<scalar_t>> cur;
+  int64_t count = total;
+  for (int level = 0; level <= kMaxFastLevels; ++level) {
+    int64_t n_in = 0;
+    std::vector<Segment> in = level == 0 ? segs : buffer_segments<scalar_t, kCost>(cur, n_in);
+    if (level > 0 && n_in <= kExactMax) {
+      // exact solve of the last buffer, with the sums of everything else
+      const SmallSet set = gather_all<scalar_t, kCost>(cur);
+      double b = hi;
+      if (!std::isfinite(b)) {  // no U or F in the base: phi(max key1) = -S
+        b = lo;
+        for (int64_t i = 0; i < set.size(); ++i) {
+          b = std::max(b, kCost ? set.t[i] / set.c[i] : set.t[i]);
+        }
+      }
+      const Root r = newton_root<kCost>(set, 1.0, base, budget, lo, b, true);
+      if (r.status == 0) {
+        return r.lam;
+      }
+      if (r.status < 0 && lo == 0.0) {
+        return 0.0;  // phi(0) <= 0: slack budget
+      }
+      // lam* is outside the bracket: the sample was misleading
+      return solve_lambda_histogram<scalar_t, kCost>(segs, total, budget, op,
+          r.status < 0 ? std::pair<double, double>{0.0, lo} : std::pair<double, double>{hi, hi + std::max(1.0, hi)});
+    }
+    if (level > 0 && 2 * n_in > count) {
+      break;  // the buffer does not shrink (many breakpoints at lam*)
+    }
+    if (level > 0) {
+      count = n_in;
+    }
+    Bracket br{0.0, 0.0, 0.0};
+    if (budget > 0.0) {
+      const SmallSet smp = gather_sample<scalar_t, kCost>(in, count, level == 0 ? kSample0 : kSampleN);
+      br = sample_bracket_fast<kCost>(smp, count, base, budget, lo, hi);
+    }
+    std::vector<PassChunk<scalar_t>> next = level == 0
+        ? compact_pass<scalar_t, kCost, true>(in, count, br.a, br.b, br.frac)
+        : compact_pass<scalar_t, kCost, false>(in, count, br.a, br.b, br.frac);
+    if (level == 0) {
+      bool bad_theta = false, bad_cost = false;
+      for (const auto& ch : next) {
+        bad_theta |= ch.bad_theta;
+        bad_cost |= ch.bad_cost;
+      }
+      TORCH_CHECK_VALUE(!bad_theta, op, ": theta contains a non-finite value");
+      TORCH_CHECK_VALUE(!bad_cost, op, ": cost must be positive and finite everywhere");
+      if (budget == 0.0) {
+        return kInf;  // all zeros (a slack zero budget, all t <= 0, gives zeros too)
+      }
+    }
+    for (const auto& ch : next) {
+      base.merge(ch.base);
+    }
+    lo = br.a;
+    hi = br.b;
+    cur = std::move(next);
+    if (level == 0 && total <= kExactMax) {
+      count = total;  // tiny input: its buffer is solved exactly next
+    }
+  }
+  return solve_lambda_histogram<scalar_t, kCost>(segs, total, budget, op, {lo, hi});
+}
+
 template <typename scalar_t, bool kCost>
 void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
   const int64_t nchunks = num_chunks(total);
@@ -547,6 +1285,30 @@ void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
   });
 }
 
+// A fresh output of many MB costs a page fault per 4 KB on its first write:
+// on the project's VM that is ~5x the time of the write itself. Where
+// transparent huge pages are enabled on request ("madvise", the common
+// default), asking for them for the output's 2 MB-aligned interior makes that
+// one fault per 2 MB (torch's own THP_MEM_ALLOC_ENABLE does the same). Only a
+// hint: without THP, or on other systems, nothing changes.
+void advise_huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  if (bytes < 4 * kHuge) {
+    return;
+  }
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (p + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (p + bytes) & ~(kHuge - 1);
+  if (end > begin) {
+    (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // a hint; errors are harmless
+  }
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 // Projects `inputs` (contiguous) into `outputs` (contiguous, may alias inputs).
 void project_into(
     const std::vector<at::Tensor>& inputs,
@@ -567,6 +1329,11 @@ void project_into(
   }
   if (total == 0) {
     return;
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (outputs[i].data_ptr() != inputs[i].data_ptr()) {
+      advise_huge_pages(outputs[i].data_ptr(), outputs[i].nbytes());
+    }
   }
   const bool has_cost = !costs.empty();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "project_budget", [&] {

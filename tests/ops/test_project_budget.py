@@ -225,3 +225,123 @@ def test_non_finite_detected_anywhere(dtype, position, bad):
     with pytest.raises(ValueError, match="theta"):
         project_budget_(t, 10_000.0)
     assert torch.equal(t.nan_to_num(), before.nan_to_num())
+
+
+# --- the CPU kernel's sampled fast path and its fallbacks -------------------
+# The CPU kernel brackets lam* from a sample (runs of 8 elements spread evenly
+# over the data), compacts the elements with a breakpoint inside the bracket,
+# and solves them exactly. A bracket that misses lam*, or a buffer that does
+# not shrink (many equal breakpoints at lam*), falls back to the histogram
+# solver. These inputs are built to reach each of those paths; every one must
+# still give the exact projection.
+
+def _strided_mask(n, period, run=8):
+    idx = torch.arange(n)
+    return (idx % period) < run
+
+
+def _assert_exact(t, S, c=None, scale=1.0):
+    exact = project_budget_sort(t.double(), S, None if c is None else c.double())
+    out = project_budget(t, S, c)
+    tol = tolerance(t.dtype)
+    torch.testing.assert_close(out.double(), exact, atol=tol["atol"] * scale, rtol=0)
+    inplace = t.clone()
+    project_budget_(inplace, S, c)
+    torch.testing.assert_close(inplace, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sampled_low", [True, False])
+def test_sample_that_misses_the_root_falls_back(dtype, sampled_low):
+    # n = 2^17 with 8192 sampled elements: the sample reads 8 of every 128
+    # elements. Give exactly those misleading values.
+    n = 1 << 17
+    g = torch.Generator().manual_seed(3)
+    mask = _strided_mask(n, 128)
+    if sampled_low:  # the sample looks slack; lam* is well above 0
+        t = torch.rand(n, generator=g, dtype=torch.float64) * 0.5 + 0.7
+        t[mask] = 0.0
+    else:  # the sample looks full; lam* is near 0
+        t = torch.rand(n, generator=g, dtype=torch.float64) * 0.2
+        t[mask] = 5.0
+    _assert_exact(t.to(dtype), 0.05 * n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_cost", [False, True])
+def test_equal_breakpoints_at_the_root(dtype, with_cost):
+    # half the scores equal 0.3 and the budget puts lam* exactly there: the
+    # bracket holds half of all breakpoints whatever its width
+    n = 100_000
+    t = torch.full((n,), 0.3, dtype=torch.float64)
+    t[1::2] = 0.9
+    c = None
+    S = 0.3 * (n // 2)  # phi(0.3) = sum over the 0.9s of 0.6 = 0.3 n/2 ... = S
+    if with_cost:
+        c = torch.ones(n, dtype=torch.float64)
+    _assert_exact(t.to(dtype), S, None if c is None else c.to(dtype))
+    # and just off the tie, on both sides
+    for dS in (-1.0, 1.0):
+        _assert_exact(t.to(dtype), S + dS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_budget_edges_large(dtype):
+    n = 50_000
+    g = torch.Generator().manual_seed(5)
+    t = (torch.rand(n, generator=g, dtype=torch.float64) * 1.4 - 0.2).to(dtype)
+    slack = float(t.double().clamp(0, 1).sum())
+    for S in [0.0, 1e-9, 0.5, 1.0, slack * 0.999999, slack, slack * 1.000001, n + 1.0]:
+        _assert_exact(t, S)
+
+
+def test_all_equal_and_huge_ranges_large():
+    n = 60_000
+    for value in [0.5, 1.0, 0.0, -3.0, 7.0]:
+        t = torch.full((n,), value)
+        for S in [0.0, 1.0, 0.25 * n, 0.999 * n]:
+            _assert_exact(t, S)
+    g = torch.Generator().manual_seed(11)
+    t = torch.rand(n, generator=g, dtype=torch.float64) * 1e-3
+    t[::997] = 1e6
+    t[5::991] = -1e6
+    for S in [1.5, 60.0, 100.0]:
+        _assert_exact(t, S, scale=1.0)
+
+
+@st.composite
+def adversarial_case(draw):
+    n = draw(st.sampled_from([4097, 9000, 1 << 15, 70_001]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    pattern = draw(st.sampled_from(["uniform", "strided", "ties", "two_point", "blocks", "tiny_free"]))
+    period = draw(st.sampled_from([8, 16, 64, 128, 512]))
+    density = draw(st.sampled_from([1e-4, 0.01, 0.1, 0.3, 0.5, 0.9, 0.99]))
+    with_cost = draw(st.booleans())
+    return n, dtype, seed, pattern, period, density, with_cost
+
+
+@given(adversarial_case())
+@example((1 << 15, torch.float32, 0, "strided", 32 * 8 // 8 * 4, 0.1, False))
+@example((70_001, torch.float32, 1, "ties", 64, 0.3, False))
+def test_adversarial_large_inputs(case):
+    n, dtype, seed, pattern, period, density, with_cost = case
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(n, generator=g, dtype=torch.float64) * 1.2
+    if pattern == "strided":  # values correlated with the sample's positions
+        t[_strided_mask(n, period)] += 2.0
+    elif pattern == "ties":  # a few distinct values, many equal breakpoints
+        t = (t * 3).round() / 3
+    elif pattern == "two_point":
+        t = torch.where(t > 0.6, 1.0, 0.25).to(torch.float64)
+    elif pattern == "blocks":  # sorted blocks, as in a list of layers
+        t = t.sort().values
+    elif pattern == "tiny_free":  # lam* where almost no element is free
+        t = torch.where(t > 0.6, 5.0, -5.0).to(torch.float64)
+        t[7] = 0.123
+    c = torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.05 if with_cost else None
+    total = n if c is None else float(c.sum())
+    S = density * total
+    t = t.to(dtype)
+    c = None if c is None else c.to(dtype)
+    _assert_exact(t, S, c, scale=6.0 if c is not None else 6.0)
