@@ -328,6 +328,58 @@ __attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, cons
   alignas(32) float buf[8];
   for (int64_t b0 = r0; b0 < r1; b0 += kBlockRows) {
     const int64_t b1 = std::min(r1, b0 + kBlockRows);
+    if (dlam && dg) {
+      // Both outputs in one pass over the block: each broadcast dh[k] feeds the
+      // dlam FMA and the dg FMA (AT[k] = (dg[0][k], ..., dg[7][k])), and dh, lam
+      // and mu are loaded once. Each dg element gets the same FMAs in the same
+      // row order as the two-pass loops below, so the result is bitwise equal.
+      __m256 AT[8], A8 = _mm256_setzero_ps(), Acol = _mm256_setzero_ps();
+      for (int k = 0; k < 8; ++k) AT[k] = _mm256_setzero_ps();
+      float a88 = 0.f;
+      for (int64_t r = b0; r < b1; ++r) {
+        const float* dr = dh + r * 9;
+        const __m256 d = _mm256_loadu_ps(dr);
+        const float d8 = dr[8];
+        _mm256_store_ps(buf, d);
+        const float* lr = lam + r * 9;
+        __m256 c = _mm256_loadu_ps(lr);
+        float c8 = lr[8];
+        __m256 m = _mm256_set1_ps(1.f);
+        float m8 = 1.f;
+        if (mu) {
+          m = _mm256_loadu_ps(mu + r * 9);
+          m8 = mu[r * 9 + 8];
+          c = _mm256_mul_ps(c, m);
+          c8 *= m8;
+        }
+        __m256 acc = _mm256_mul_ps(_mm256_set1_ps(d8), GT[8]);
+        for (int k = 0; k < 8; ++k) {
+          const __m256 b = _mm256_broadcast_ss(buf + k);
+          acc = _mm256_fmadd_ps(b, GT[k], acc);
+          AT[k] = _mm256_fmadd_ps(c, b, AT[k]);
+        }
+        float l8 = hsum8(_mm256_mul_ps(d, g8row)) + d8 * g88;
+        if (mu) {
+          acc = _mm256_mul_ps(acc, m);
+          l8 *= m8;
+        }
+        _mm256_storeu_ps(dlam + r * 9, acc);
+        dlam[r * 9 + 8] = l8;
+        A8 = _mm256_fmadd_ps(_mm256_set1_ps(c8), d, A8);
+        Acol = _mm256_fmadd_ps(c, _mm256_set1_ps(d8), Acol);
+        a88 += c8 * d8;
+      }
+      for (int k = 0; k < 8; ++k) {
+        _mm256_store_ps(tmp, AT[k]);
+        for (int n = 0; n < 8; ++n) dg[n * 9 + k] += tmp[n];
+      }
+      _mm256_store_ps(tmp, A8);
+      for (int k = 0; k < 8; ++k) dg[72 + k] += tmp[k];
+      _mm256_store_ps(tmp, Acol);
+      for (int n = 0; n < 8; ++n) dg[n * 9 + 8] += tmp[n];
+      dg[80] += a88;
+      continue;
+    }
     if (dlam) {  // dlam[n] = mu[n] <g[n], dh>: a K-sum per coefficient
       for (int64_t r = b0; r < b1; ++r) {
         const float* dr = dh + r * 9;
