@@ -243,11 +243,13 @@ def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tenso
                 _fused_scope(s, T, flag)  # writes nothing once the flag is set
             else:
                 (_foreach_scope if impl == "foreach" else _single_tensor_scope)(s, T)
-        for st in (st for s in scopes for st in s.steps):
-            if st.device == flag.device:
-                st.add_(1.0 - flag.reshape(()).to(st.dtype))
-            else:
-                st.add_(1)  # a host counter for device params: advancing it conditionally would sync
+        steps = [st for s in scopes for st in s.steps]
+        on_flag_device = [st for st in steps if st.device == flag.device]
+        if on_flag_device:  # one foreach launch, the increment computed once
+            torch._foreach_add_(on_flag_device, 1.0 - flag.reshape(()))
+        host = [st for st in steps if st.device != flag.device]
+        if host:  # host counters for device params: advancing them conditionally would sync
+            torch._foreach_add_(host, 1)
         return
     if impl == "fused":
         # One kernel call is atomic (it validates before writing); with several
