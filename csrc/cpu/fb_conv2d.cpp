@@ -37,11 +37,7 @@ namespace prunopt {
 namespace cpu {
 namespace {
 
-struct Geometry {
-  int64_t batch, c_in, h, w, n, kh, kw, ho, wo, sh, sw, ph, pw, dh, dw, c_out, groups;
-  int64_t p() const { return ho * wo; }
-  int64_t c_in_g() const { return c_in / groups; }
-};
+using fb::Geometry;
 
 // Where kernel tap k = (ky, kx) reads: outputs [ylo, yhi) x [xlo, xhi) read the
 // input at (oy*sh + offy, ox*sw + offx); the others read zero padding.
@@ -368,13 +364,6 @@ void csr_mix(const scalar_t* z, const Geometry& G, const int32_t* crow, const in
   });
 }
 
-Geometry geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_out, at::IntArrayRef stride,
-                  at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, const std::vector<int64_t>& out) {
-  return Geometry{input.size(0), input.size(1), input.size(2), input.size(3), basis.size(0), basis.size(1),
-      basis.size(2), out[2], out[3], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], c_out,
-      groups};
-}
-
 // The sparse path on a validated CSR (int32 crow/col, contiguous values).
 at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const at::Tensor& col,
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
@@ -479,7 +468,7 @@ at::Tensor fb_conv2d_cpu(const at::Tensor& input, const at::Tensor& coefficients
       }
     });
   });
-  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  const Geometry G = fb_geometry(input, basis, c_out, stride, padding, dilation, groups, out);
   return sparse_forward(input, crow_t, col_t, val_t, basis, bias, G);
 }
 
@@ -503,7 +492,7 @@ at::Tensor fb_conv2d_csr_cpu(const at::Tensor& input, const at::Tensor& crow_ind
   for (int64_t o = 0; o < c_out; ++o) {
     TORCH_CHECK_VALUE(rp[o] <= rp[o + 1], op, ": crow_indices must be non-decreasing");
   }
-  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  const Geometry G = fb_geometry(input, basis, c_out, stride, padding, dilation, groups, out);
   return sparse_forward(input, crow, col, values.contiguous(), basis, bias, G);
 }
 

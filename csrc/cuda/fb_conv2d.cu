@@ -151,9 +151,7 @@ std::tuple<at::Tensor, at::Tensor> fb_reconstruct_backward_cuda(const at::Tensor
   return std::make_tuple(dlam, dg);
 }
 
-struct Geometry {
-  int64_t batch, c_in, h, w, n, kh, kw, ho, wo, sh, sw, ph, pw, dh, dw, c_out, groups;
-};
+using fb::Geometry;
 
 // Z[b, c, n, p] = sum_{ky, kx} g[n, ky, kx] X[b, c, oy*sh + ky*dh - ph, ox*sw + kx*dw - pw]
 template <typename scalar_t>
@@ -206,13 +204,6 @@ __global__ void csr_mix_kernel(const scalar_t* __restrict__ z, const int32_t* __
   y[i] = static_cast<scalar_t>(acc);
 }
 
-Geometry geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_out, at::IntArrayRef stride,
-                  at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, const std::vector<int64_t>& out) {
-  return Geometry{input.size(0), input.size(1), input.size(2), input.size(3), basis.size(0), basis.size(1),
-      basis.size(2), out[2], out[3], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], c_out,
-      groups};
-}
-
 at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const at::Tensor& col,
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
   auto y = at::empty({G.batch, G.c_out, G.ho, G.wo}, input.options());
@@ -259,7 +250,7 @@ at::Tensor fb_conv2d_cuda(const at::Tensor& input, const at::Tensor& coefficient
   crow.narrow(0, 1, c_out).copy_(nz.sum(1).cumsum(0));
   auto col = nz.nonzero().select(1, 1).to(at::kInt).contiguous();
   auto values = flat.masked_select(nz);  // row-major, the order of nonzero()
-  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  const Geometry G = fb_geometry(input, basis, c_out, stride, padding, dilation, groups, out);
   return sparse_forward(input, crow.to(at::kInt), col, values, basis, bias, G);
 }
 
@@ -290,7 +281,7 @@ at::Tensor fb_conv2d_csr_cuda(const at::Tensor& input, const at::Tensor& crow_in
     TORCH_CHECK_VALUE(col.min().item<int32_t>() >= 0 && col.max().item<int32_t>() < row_len, op,
         ": col_indices must lie in [0, C_in/groups * N) = [0, ", row_len, ")");
   }
-  const Geometry G = geometry(input, basis, c_out, stride, padding, dilation, groups, out);
+  const Geometry G = fb_geometry(input, basis, c_out, stride, padding, dilation, groups, out);
   return sparse_forward(input, crow, col, values.contiguous(), basis, bias, G);
 }
 

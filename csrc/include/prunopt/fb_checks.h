@@ -103,4 +103,14 @@ inline at::Tensor reconstruct(const at::Tensor& coefficients, const at::Tensor& 
   return op.call(coefficients, basis, mask);
 }
 
+// The geometry of a call whose arguments check_fb_conv_args validated (`out` is
+// its output shape).
+inline fb::Geometry fb_geometry(const at::Tensor& input, const at::Tensor& basis, int64_t c_out,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+    const std::vector<int64_t>& out) {
+  return fb::Geometry{input.size(0), input.size(1), input.size(2), input.size(3), basis.size(0), basis.size(1),
+      basis.size(2), out[2], out[3], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], c_out,
+      groups};
+}
+
 }  // namespace prunopt

@@ -30,5 +30,13 @@ PRUNOPT_HD void valid_range(int64_t in, int64_t out, int64_t stride, int64_t off
   *hi = h;
 }
 
+// The shape of one fb_conv2d call, shared by the CPU and CUDA kernels (built
+// from validated arguments by fb_geometry in fb_checks.h).
+struct Geometry {
+  int64_t batch, c_in, h, w, n, kh, kw, ho, wo, sh, sw, ph, pw, dh, dw, c_out, groups;
+  PRUNOPT_HD int64_t p() const { return ho * wo; }
+  PRUNOPT_HD int64_t c_in_g() const { return c_in / groups; }
+};
+
 }  // namespace fb
 }  // namespace prunopt
