@@ -35,27 +35,13 @@ from prunopt.nn.sparsification import (
 from prunopt.repro import register_repro
 from prunopt.train.data import load_digits
 from prunopt.train.loop import evaluate, train_epoch
+from prunopt.train.methods.ds import DEFAULT_LAMBDA, ds_optimizer
 from prunopt.train.models import SmallCNN
 
 GROUP = 4
 # final strengths, chosen so that both norms reach a similar channel sparsity
 # (the paper tunes lambda per norm in the same way)
-LAMBDA = {"l1": 0.05, "l21": 0.2}
-
-
-class _Both:
-    """Steps several optimizers as one (train_epoch takes a single optimizer)."""
-
-    def __init__(self, *opts):
-        self.opts = opts
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.opts:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def step(self):
-        for o in self.opts:
-            o.step()
+LAMBDA = DEFAULT_LAMBDA
 
 
 def train(norm: str, lam: float, epochs: int, limit, seed: int, width: int = 16, lr: float = 0.1,
@@ -65,15 +51,9 @@ def train(norm: str, lam: float, epochs: int, limit, seed: int, width: int = 16,
     torch.manual_seed(seed)
     data = load_digits(seed=seed, limit=limit)
     model = convert_to_sparse_batchnorm(SmallCNN(width=width), preserve=False)
-    alphas = [p for n, p in model.named_parameters() if n.endswith(".gate.alpha")]
-    betas = [p for n, p in model.named_parameters() if n.endswith(".gate.beta")]
-    weights = [p for n, p in model.named_parameters() if ".gate." not in n]
-    sgd = torch.optim.SGD([{"params": weights, "weight_decay": weight_decay},
-                           {"params": alphas, "weight_decay": 0.0}], lr=lr, momentum=0.9)
     # beta's gradient is scaled by sigmoid'(beta) ||alpha||_1, tiny at the paper's
     # initial threshold 1/(n^2+n); Adam moves it at a rate independent of that scale
-    opt = _Both(sgd, torch.optim.Adam(betas, lr=beta_lr))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, epochs)
+    opt, sched = ds_optimizer(model, lr, epochs, beta_lr=beta_lr, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(seed)
     state = {"lam": 0.0}
 

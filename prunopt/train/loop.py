@@ -20,6 +20,34 @@ def iterate_minibatches(x: Tensor, y: Tensor, batch_size: int, generator: torch.
         yield x[idx], y[idx]
 
 
+class OptimizerGroup:
+    """Several optimizers stepped as one (``train_epoch`` takes one optimizer),
+    e.g. SGD for the weights and Adam for the DS gate thresholds."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        if not optimizers:
+            raise ValueError("OptimizerGroup needs at least one optimizer")
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        states = state["optimizers"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"state has {len(states)} optimizers, this group has {len(self.optimizers)}")
+        for o, st in zip(self.optimizers, states):
+            o.load_state_dict(st)
+
+
 def train_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
