@@ -182,6 +182,14 @@ struct SimdF {
   static V signbit() { return _mm_set1_ps(-0.0f); }
   static V ones() { return _mm_castsi128_ps(_mm_set1_epi32(-1)); }
   static int movemask(V a) { return _mm_movemask_ps(a); }
+  using C = __m128i;  // per-lane counts of true compare lanes (a true lane is -1)
+  static C cnt_zero() { return _mm_setzero_si128(); }
+  static C cnt_add(C c, V mask) { return _mm_sub_epi32(c, _mm_castps_si128(mask)); }
+  static int64_t cnt_sum(C c) {
+    alignas(16) int32_t t[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), c);
+    return int64_t(t[0]) + t[1] + t[2] + t[3];
+  }
   static void compress_store(float* dst, V v, int mask) {
     alignas(16) float t[4];
     _mm_store_ps(t, v);
@@ -229,6 +237,14 @@ struct SimdD {
   static V signbit() { return _mm_set1_pd(-0.0); }
   static V ones() { return _mm_castsi128_pd(_mm_set1_epi32(-1)); }
   static int movemask(V a) { return _mm_movemask_pd(a); }
+  using C = __m128i;
+  static C cnt_zero() { return _mm_setzero_si128(); }
+  static C cnt_add(C c, V mask) { return _mm_sub_epi64(c, _mm_castpd_si128(mask)); }
+  static int64_t cnt_sum(C c) {
+    alignas(16) int64_t t[2];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), c);
+    return t[0] + t[1];
+  }
   static void compress_store(double* dst, V v, int mask) {
     alignas(16) double t[2];
     _mm_store_pd(t, v);
@@ -283,6 +299,16 @@ struct SimdF {
   static V signbit() { return _mm256_set1_ps(-0.0f); }
   static V ones() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
   static int movemask(V a) { return _mm256_movemask_ps(a); }
+  using C = __m256i;
+  static C cnt_zero() { return _mm256_setzero_si256(); }
+  static C cnt_add(C c, V mask) { return _mm256_sub_epi32(c, _mm256_castps_si256(mask)); }
+  static int64_t cnt_sum(C c) {
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), c);
+    int64_t s = 0;
+    for (int j = 0; j < 8; ++j) s += t[j];
+    return s;
+  }
   static void compress_store(float* dst, V v, int mask) {
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.f[mask]));
     _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, perm));
@@ -331,6 +357,14 @@ struct SimdD {
   static V signbit() { return _mm256_set1_pd(-0.0); }
   static V ones() { return _mm256_castsi256_pd(_mm256_set1_epi32(-1)); }
   static int movemask(V a) { return _mm256_movemask_pd(a); }
+  using C = __m256i;
+  static C cnt_zero() { return _mm256_setzero_si256(); }
+  static C cnt_add(C c, V mask) { return _mm256_sub_epi64(c, _mm256_castpd_si256(mask)); }
+  static int64_t cnt_sum(C c) {
+    alignas(32) int64_t t[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), c);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+  }
   static void compress_store(double* dst, V v, int mask) {
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.d[mask]));
     _mm256_storeu_pd(dst, _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm)));
@@ -370,12 +404,12 @@ void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi
   }
 }
 
-template <typename scalar_t>
-void update_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
+template <typename scalar_t, bool kWd, bool kNeg, bool kAcc, bool kB>
+void update_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
   if (use_avx2()) {
-    avx2::update_range<scalar_t>(s, b, e, tau, r, version);
+    avx2::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
   } else {
-    sse2::update_range<scalar_t>(s, b, e, tau, r, version);
+    sse2::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
   }
 }
 #else
@@ -389,7 +423,10 @@ void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi
     scalar_t* cg, scalar_t* cx) {
   generic::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
 }
-using generic::update_range;
+template <typename scalar_t, bool kWd, bool kNeg, bool kAcc, bool kB>
+void update_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
+  generic::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
+}
 #endif
 
 // The scan of one piece, specialised on the segment's weight decay (needs kX)
@@ -404,6 +441,28 @@ void scan_range(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, Sc
   }
   return neg ? scan_range_isa<scalar_t, kX, kNorms, false, true>(s, b, e, lo, hi, out, cg, cx)
              : scan_range_isa<scalar_t, kX, kNorms, false, false>(s, b, e, lo, hi, out, cg, cx);
+}
+
+// The element pass of one piece, specialised on the segment's weight decay and
+// maximize and on the version's acceptance test (see update_range).
+template <typename scalar_t, bool kAcc, bool kB>
+void update_range_v(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
+  const bool wd = s.h[kWeightDecay] != 0.0, neg = s.h[kMaximize] != 0.0;
+  if (wd) {
+    return neg ? update_range_isa<scalar_t, true, true, kAcc, kB>(s, b, e, tau, r, version)
+               : update_range_isa<scalar_t, true, false, kAcc, kB>(s, b, e, tau, r, version);
+  }
+  return neg ? update_range_isa<scalar_t, false, true, kAcc, kB>(s, b, e, tau, r, version)
+             : update_range_isa<scalar_t, false, false, kAcc, kB>(s, b, e, tau, r, version);
+}
+
+template <typename scalar_t>
+void update_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
+  if (version == 0) {
+    return update_range_v<scalar_t, false, false>(s, b, e, tau, r, version);
+  }
+  return version >= 3 ? update_range_v<scalar_t, true, true>(s, b, e, tau, r, version)
+                      : update_range_v<scalar_t, true, false>(s, b, e, tau, r, version);
 }
 
 template <typename scalar_t>
