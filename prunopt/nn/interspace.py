@@ -235,7 +235,15 @@ class FBConv2d(nn.Module):
         taken, the reconstructed filters. Keyed by the versions and storages of
         coefficients, mask and basis, so in-place updates (optimizer steps,
         pruning) invalidate it; it is never used when a gradient is needed."""
-        lam, mu, g = self.coefficients, self.mask, self.basis.weight
+        # the registries are read directly (nn.Module.__getattr__ would cost
+        # more than the rest of a small layer's Python frame), falling back to
+        # attributes when a tool such as torch.nn.utils.prune replaced them
+        lam = self._parameters.get("coefficients")
+        lam = self.coefficients if lam is None else lam
+        mu = self._buffers.get("mask")
+        mu = self.mask if mu is None else mu
+        g = self.basis._parameters.get("weight")
+        g = self.basis.weight if g is None else g
         key = (lam._version, mu._version, g._version, lam.data_ptr(), mu.data_ptr(), g.data_ptr(), lam.device,
                lam.dtype, g.dtype)
         if self._compressed_key != key:
@@ -252,27 +260,25 @@ class FBConv2d(nn.Module):
     def _inference_forward(self, input: Tensor, padding) -> Tensor:
         """Eval without gradients: eq. 8 on the cached CSR when the cost model
         (:func:`prunopt.ops_interspace.sparse_is_faster`) says it beats
-        ``conv2d``, else ``conv2d`` with the cached reconstructed filters."""
-        comp = self._compressed_coefficients()
+        ``conv2d``, else ``conv2d`` with the cached reconstructed filters. The
+        choice is cached per input shape with the CSR (a small layer's whole
+        call is ~20 us, so its Python frame is kept short)."""
+        cache = self._inference_cache()
+        plan_key = ("plan", input.shape, padding)
+        sparse = cache.get(plan_key)
+        if sparse is None:
+            sparse = self._inference_plan(input, padding, cache)
+            if len(cache) < 256:  # bounded for inputs of many sizes
+                cache[plan_key] = sparse
         g = self.basis.weight
-        c_out, c_in_g, n = comp.shape
-        kh, kw = self.kernel_size
-        batched = input.dim() == 4
-        if input.dim() in (3, 4):
-            hw = input.shape[-2:]
-            ho = (hw[0] + 2 * padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
-            wo = (hw[1] + 2 * padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
-            image = max(ho, 0) * max(wo, 0)
-            sparse = ops_interspace.sparse_is_faster(comp.values.numel(), c_out, c_in_g * self.groups, c_in_g, n,
-                                                     kh * kw, (input.shape[0] if batched else 1) * image, image)
-        else:
-            sparse = True  # a bad input: let the op raise its error
         if not sparse:
-            cache = self._inference_cache()
-            if "filters" not in cache:
-                cache["filters"] = ops.fb_reconstruct(self.coefficients.detach(), g.detach(), self.mask)
-            return F.conv2d(input, cache["filters"], self.bias, self.stride, padding, self.dilation, self.groups)
-        if ops_interspace.has_csr_kernel(input) and input.dim() in (3, 4):
+            filters = cache.get("filters")
+            if filters is None:
+                filters = cache["filters"] = ops.fb_reconstruct(self.coefficients.detach(), g.detach(), self.mask)
+            return F.conv2d(input, filters, self.bias, self.stride, padding, self.dilation, self.groups)
+        comp = cache["csr"]
+        batched = input.dim() == 4
+        if input.dim() in (3, 4) and ops_interspace.has_csr_kernel(input):
             # the raw op checks every argument itself (ValueError naming it). No
             # gradient is needed here (the caller checked), so the call skips the
             # op's Python autograd kernel, which would only redispatch below
@@ -283,6 +289,24 @@ class FBConv2d(nn.Module):
                     self.bias, self.stride, padding, self.dilation, self.groups)
             return y if batched else y.squeeze(0)
         return ops.fb_conv2d_compressed(input, comp, g, self.bias, self.stride, padding, self.dilation, self.groups)
+
+    def _inference_plan(self, input: Tensor, padding, cache: dict) -> bool:
+        """Whether the eval call on inputs of this shape takes the sparse path
+        (builds the CSR into ``cache``)."""
+        if "csr" not in cache:
+            cache["csr"] = ops.fb_compress(self.coefficients.detach(), self.mask)
+        comp = cache["csr"]
+        c_out, c_in_g, n = comp.shape
+        kh, kw = self.kernel_size
+        if input.dim() not in (3, 4):
+            return True  # a bad input: let the op raise its error
+        hw = input.shape[-2:]
+        ho = (hw[0] + 2 * padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+        wo = (hw[1] + 2 * padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
+        image = max(ho, 0) * max(wo, 0)
+        batch = input.shape[0] if input.dim() == 4 else 1
+        return ops_interspace.sparse_is_faster(comp.values.numel(), c_out, c_in_g * self.groups, c_in_g, n,
+                                               kh * kw, batch * image, image)
 
     def density(self) -> float:
         """Fraction of non-zero masked coefficients ``||lam * mu||_0 / numel``."""
