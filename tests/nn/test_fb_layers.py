@@ -363,3 +363,48 @@ def test_eval_takes_both_paths_and_caches_the_dense_filters():
             layer.coefficients.mul_(0.5)  # an in-place update invalidates the cache
             torch.testing.assert_close(layer(x), ref(), atol=1e-4, rtol=0)
             torch.testing.assert_close(layer(x[0]), ref()[0], atol=1e-4, rtol=0)  # unbatched
+
+
+def test_eval_path_choice_follows_density_and_input_shape():
+    # the per-shape path choice is cached with the CSR: a mask change re-decides it
+    layer = FBConv2d(128, 128, 3, padding=1, basis=FilterBasis(3, init="orthonormal")).eval()
+    layer.mask.bernoulli_(0.01, generator=_gen())
+    ref = lambda x: fb_conv2d_reference(x, layer.coefficients, layer.basis.weight, layer.mask, layer.bias, padding=1)
+    with torch.no_grad():
+        for hw in (8, 4, 8):
+            x = torch.randn(1, 128, hw, hw)
+            torch.testing.assert_close(layer(x), ref(x), atol=1e-4, rtol=0)
+        assert "filters" not in layer._compressed  # sparse at 1%
+        layer.mask.fill_(1.0)
+        x = torch.randn(1, 128, 8, 8)
+        torch.testing.assert_close(layer(x), ref(x), atol=1e-3, rtol=0)
+        assert "filters" in layer._compressed  # dense at 100%
+
+
+def test_eval_output_is_an_ordinary_tensor():
+    # the eval call runs below autograd; its output must still work in a later graph
+    layer = FBConv2d(8, 8, 3, padding=1).eval()
+    layer.mask.bernoulli_(0.05, generator=_gen())
+    x = torch.randn(1, 8, 6, 6)
+    with torch.no_grad():
+        y = layer(x)
+    assert not y.requires_grad and not y.is_inference()
+    w = torch.ones((), requires_grad=True)
+    (y * w).sum().backward()
+    torch.testing.assert_close(w.grad, y.sum())
+
+
+def test_eval_with_torch_prune_reparametrisation():
+    # torch.nn.utils.prune replaces the coefficients parameter by an attribute
+    import torch.nn.utils.prune as tprune
+
+    layer = FBConv2d(4, 4, 3, padding=1).eval()
+    tprune.l1_unstructured(layer, "coefficients", amount=0.5)
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        ref = fb_conv2d_reference(x, layer.coefficients, layer.basis.weight, layer.mask, layer.bias, padding=1)
+        torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=0)
+        layer.coefficients_orig.mul_(2)
+        ref = fb_conv2d_reference(x, layer.coefficients_orig * layer.coefficients_mask, layer.basis.weight,
+                                  layer.mask, layer.bias, padding=1)
+        torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=0)
