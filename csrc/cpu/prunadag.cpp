@@ -601,7 +601,7 @@ int64_t sample_bracket(const std::vector<Seg>& segs, int64_t total, int64_t n, i
         const scalar_t* g = static_cast<const scalar_t*>(s.g);
         __builtin_prefetch(g + b);
         __builtin_prefetch(g + e - 1);
-        if (with_x) {
+        if (with_x && s.h[kWeightDecay] != 0.0) {  // x only enters through weight decay
           const scalar_t* x = static_cast<const scalar_t*>(s.x);
           __builtin_prefetch(x + b);
           __builtin_prefetch(x + e - 1);
@@ -613,7 +613,7 @@ int64_t sample_bracket(const std::vector<Seg>& segs, int64_t total, int64_t n, i
   sample.reserve(kSampleBlocks * kSampleLen);
   for (const Piece& p : pieces) {
     for (int64_t j = p.b; j < p.e; ++j) {
-      const scalar_t a = abs_effective<scalar_t>(*p.s, j, with_x);
+      const scalar_t a = abs_effective<scalar_t>(*p.s, j, with_x && p.s->h[kWeightDecay] != 0.0);
       if (a < inf) {  // inf/NaN are found (and rejected) by the scan
         sample.push_back(a);
       }
