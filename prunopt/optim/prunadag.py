@@ -150,18 +150,25 @@ def _foreach_scope(s: _Scope, T: int) -> None:
         sz = torch.tensor(sizes, device=dev)
 
         def per_elem(values, dtype=dt):
+            # one value per tensor: a Python scalar when they are all equal (the
+            # usual case), else expanded to one per element
+            if all(v == values[0] for v in values):
+                return values[0]
             return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=dev), sz, output_size=x.numel())
 
-        prune = per_elem([h.prune for h in hyp], torch.bool)
+        all_pruned = all(h.prune for h in hyp)
+        prune = None if all_pruned else per_elem([h.prune for h in hyp], torch.bool)
         n = int(sum(sz_ for sz_, h in zip(sizes, hyp) if h.prune))
         ag = g.abs()
         if n > 0 and T < n:
-            tau = torch.kthvalue(ag[prune], n - T + 1).values
-            rel = (ag >= tau) | ~prune
+            tau = torch.kthvalue(ag if all_pruned else ag[prune], n - T + 1).values
+            rel = ag >= tau
+            if not all_pruned:
+                rel |= ~prune
         else:
-            rel = torch.ones_like(prune)
+            rel = torch.ones_like(ag, dtype=torch.bool)
         m = (~rel) & (x * g > 0)
-        g_r = (g.double().pow(2) * (rel & prune)).sum().item()
+        g_r = (g.double().pow(2) * (rel if all_pruned else rel & prune)).sum().item()
         x_m = (x.double().pow(2) * m).sum().item()
         ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
         lr_k = per_elem([h.lr_k for h in hyp])
@@ -318,6 +325,11 @@ def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
         return "single"
     if foreach is None and fused is None and _fused_supported(tensors):
         return "fused"
+    if foreach is None and not all(t.device.type == "cuda" for t in tensors):
+        # as torch.optim does: the whole-vector foreach path pays off on CUDA
+        # (one kernel per op); on the CPU the per-tensor loop is faster (no
+        # concatenated copies of x, g and both accumulators)
+        return "single"
     return "foreach"
 
 
@@ -346,8 +358,9 @@ class PrunAdag(torch.optim.Optimizer):
         eps: added to :math:`w^O` and :math:`w^D` in the denominators (paper: 0).
         maximize: negate the (weight-decayed) gradient.
         foreach, fused: choose the implementation; by default the fused kernel
-            when the extension has one for the device and dtype, else foreach.
-            ``foreach=False`` runs the readable single-tensor reference.
+            when the extension has one for the device and dtype, else (as in
+            ``torch.optim``) foreach on CUDA and the single-tensor loop on the
+            CPU. ``foreach=False`` runs the readable single-tensor reference.
 
     State per parameter: ``step`` (tensor), ``sum`` (:math:`(w^O)^2`) and
     ``decrease_sum`` (:math:`(w^D)^2`).

@@ -193,10 +193,12 @@ def test_functional_matches_class():
 
 
 def test_fallback_without_extension(monkeypatch):
-    """Without the extension the default path is foreach and results agree."""
+    """Without the extension the default path is, as in torch.optim, the
+    single-tensor loop on the CPU (foreach on CUDA), and results agree."""
     pa_mod = sys.modules["prunopt.optim.prunadag"]
     monkeypatch.setattr(pa_mod, "extension_available", lambda: False)
-    assert pa_mod._choose_impl([torch.zeros(3)], None, None) == "foreach"
+    assert pa_mod._choose_impl([torch.zeros(3)], None, None) == "single"
+    assert pa_mod._choose_impl([torch.zeros(3)], True, None) == "foreach"
     with pytest.raises(ValueError, match="fused"):
         PrunAdag(_params(torch.float32), fused=True)
     out, _ = _run(lambda p: PrunAdag(p, relevant=0.2), torch.float64)
