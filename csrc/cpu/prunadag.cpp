@@ -672,25 +672,54 @@ K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64
     ++shift;
   }
   const int64_t nbins = static_cast<int64_t>(span >> shift) + 1;
+  // Histogram and bin collection run over the chunks' candidate lists in
+  // parallel (one histogram and one key list per task, merged in task order, so
+  // the result does not depend on the thread count: the keys of a bin form a
+  // multiset and nth_element only needs their values).
+  const int64_t nouts = static_cast<int64_t>(outs.size());
+  constexpr int64_t kTasks = 8;
+  const int64_t per = (nouts + kTasks - 1) / kTasks;
+  std::vector<std::vector<int64_t>> hists(kTasks);
+  at::parallel_for(0, kTasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::vector<int64_t>& h = hists[t];
+      h.assign(nbins, 0);
+      for (int64_t i = t * per; i < std::min(nouts, (t + 1) * per); ++i) {
+        const auto& o = outs[i];
+        for (int64_t j = 0; j < o.ncand; ++j) {
+          ++h[(magnitude_key<T>(o.cg[j]) - klo) >> shift];
+        }
+      }
+    }
+  });
   std::vector<int64_t> hist(nbins, 0);
-  for (const auto& o : outs) {
-    for (int64_t j = 0; j < o.ncand; ++j) {
-      ++hist[(magnitude_key<T>(o.cg[j]) - klo) >> shift];
+  for (const auto& h : hists) {
+    for (int64_t b = 0; b < nbins; ++b) {
+      hist[b] += h[b];
     }
   }
   int64_t bin = nbins - 1, above = 0;
   for (; bin > 0 && above + hist[bin] < r; --bin) {
     above += hist[bin];
   }
-  std::vector<K> keys;
-  keys.reserve(hist[bin]);
-  for (const auto& o : outs) {
-    for (int64_t j = 0; j < o.ncand; ++j) {
-      const K key = magnitude_key<T>(o.cg[j]);
-      if (static_cast<int64_t>((key - klo) >> shift) == bin) {
-        keys.push_back(key);
+  std::vector<std::vector<K>> parts(kTasks);
+  at::parallel_for(0, kTasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = t * per; i < std::min(nouts, (t + 1) * per); ++i) {
+        const auto& o = outs[i];
+        for (int64_t j = 0; j < o.ncand; ++j) {
+          const K key = magnitude_key<T>(o.cg[j]);
+          if (static_cast<int64_t>((key - klo) >> shift) == bin) {
+            parts[t].push_back(key);
+          }
+        }
       }
     }
+  });
+  std::vector<K> keys;
+  keys.reserve(hist[bin]);
+  for (const auto& part : parts) {
+    keys.insert(keys.end(), part.begin(), part.end());
   }
   const int64_t pos = static_cast<int64_t>(keys.size()) - (r - above);  // ascending position
   std::nth_element(keys.begin(), keys.begin() + pos, keys.end());
