@@ -368,6 +368,18 @@ __attribute__((target("avx2,fma"))) void forward_3x3_avx2(const float* lam, cons
   }
 }
 
+// Adds a block's row 8 (A8 = dg[8][0..7]), column 8 (Acol = dg[0..7][8]) and
+// corner of dg to the double accumulator.
+__attribute__((target("avx2,fma"), always_inline)) inline void add_dg_edges(double* dg, __m256 a8, __m256 acol,
+                                                                            float a88) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, a8);
+  for (int k = 0; k < 8; ++k) dg[72 + k] += t[k];
+  _mm256_store_ps(t, acol);
+  for (int n = 0; n < 8; ++n) dg[n * 9 + 8] += t[n];
+  dg[80] += a88;
+}
+
 // dlam (may be null) and dg (9 x 9 doubles, added to; may be null) of rows [r0, r1).
 __attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, const float* lam, const float* mu,
     const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
@@ -427,11 +439,7 @@ __attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, cons
         _mm256_store_ps(tmp, AT[k]);
         for (int n = 0; n < 8; ++n) dg[n * 9 + k] += tmp[n];
       }
-      _mm256_store_ps(tmp, A8);
-      for (int k = 0; k < 8; ++k) dg[72 + k] += tmp[k];
-      _mm256_store_ps(tmp, Acol);
-      for (int n = 0; n < 8; ++n) dg[n * 9 + 8] += tmp[n];
-      dg[80] += a88;
+      add_dg_edges(dg, A8, Acol, a88);
       continue;
     }
     if (dlam) {  // dlam[n] = mu[n] <g[n], dh>: a K-sum per coefficient
@@ -474,11 +482,7 @@ __attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, cons
         _mm256_store_ps(tmp, A[n]);
         for (int k = 0; k < 8; ++k) dg[n * 9 + k] += tmp[k];
       }
-      _mm256_store_ps(tmp, A8);
-      for (int k = 0; k < 8; ++k) dg[72 + k] += tmp[k];
-      _mm256_store_ps(tmp, Acol);
-      for (int n = 0; n < 8; ++n) dg[n * 9 + 8] += tmp[n];
-      dg[80] += a88;
+      add_dg_edges(dg, A8, Acol, a88);
     }
   }
 }
