@@ -27,7 +27,11 @@ def extensions():
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++20", "-fopenmp"]
+    # -ffp-contract=off: GCC fuses a * b + c into one FMA in C++ even with
+    # -std=c++20, so the kernels would not compute the operations they are
+    # written with (and the fused and reference paths would round apart).
+    # Wanted FMAs are written as intrinsics.
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]
     use_cuda = (
         not _flag("PRUNOPT_NO_CUDA")
         and torch.version.cuda is not None

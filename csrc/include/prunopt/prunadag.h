@@ -64,12 +64,15 @@ PRUNOPT_HD int digit_bits(int bits_left) {
 // Steps 2-8 for one element. tau_eff is tau for pruned tensors and -1 for
 // tensors that always take the Adagrad step. nlr = -lr_k, lr = lr_k,
 // a_scale = lr_k / (k+1) * (r or 1). version 0 = relevant_only (O = R).
+// Every operation is in T: on the host an unqualified sqrt(float) is the C
+// library's sqrt(double), so its result is cast back before the addition and
+// the division (a correctly rounded double sqrt rounds to the float sqrt).
 template <typename T>
 PRUNOPT_HD void update_one(T& x, T& so, T& sd, T g, T tau_eff, T nlr, T lr, T a_scale, T eps, int version) {
   const T ag = g < T(0) ? -g : g;
   const bool rel = ag >= tau_eff;                          // eq. 2.6
   const T so_new = so + g * g;                             // eq. 2.7
-  const T s = (g * nlr) / (sqrt(so_new) + eps);            // eq. 2.9
+  const T s = (g * nlr) / (static_cast<T>(sqrt(so_new)) + eps);  // eq. 2.9
   const T ax = x < T(0) ? -x : x;
   const bool m = !rel && x * g > T(0);                     // sign-matched irrelevant
   const T a = ax * a_scale;                                // Table 1
@@ -77,7 +80,7 @@ PRUNOPT_HD void update_one(T& x, T& so, T& sd, T g, T tau_eff, T nlr, T lr, T a_
   const bool acc = version != 0 && m && a <= as && (version < 3 || as <= ax);  // eq. 2.8
   const bool opt = rel || acc;                             // eq. 2.4
   const T sd_new = sd + x * x;                             // eq. 2.10
-  const T sl = (ax * lr) / (sqrt(sd_new) + eps);
+  const T sl = (ax * lr) / (static_cast<T>(sqrt(sd_new)) + eps);
   const T dec = m ? (a < sl ? a : sl) : T(0);              // eq. 2.16
   const T xd = x < T(0) ? x + dec : x - dec;
   x = opt ? x + s : xd;
