@@ -311,3 +311,68 @@ def test_step_large_nonfinite_raises_before_writing():
             torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 1000, 3)
         for a, b in zip(xs + so + sd, before):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the float32 element pass's shortcut
+#
+# For float32 the vectorised element pass decides dec = a (eq. 2.16) from a
+# lower bound of sl built with rsqrt/rcp and skips the exact second sqrt and
+# division when every sign-matched lane is surely a < sl. The result must be
+# bit for bit that of the scalar formula (update_one), including lanes placed
+# right at a = sl, tiny and huge accumulators, and eps = 0.
+
+def _update_np(x, so, sd, g, tau, lr, lr1, eps, version):
+    """update_one (csrc/include/prunopt/prunadag.h) in numpy float32, operation by operation."""
+    import numpy as np
+    f = np.float32
+    with np.errstate(all="ignore"):
+        rel = np.abs(g) >= f(tau)
+        so_new = so + g * g
+        s = (g * f(-lr)) / (np.sqrt(so_new) + f(eps))
+        ax = np.abs(x)
+        m = ~rel & (x * g > 0)
+        a = ax * f(lr1)
+        as_ = np.abs(s)
+        acc = m & (a <= as_) & ((version < 3) | (as_ <= ax))
+        opt = rel | acc
+        sd_new = sd + x * x
+        sl = (ax * f(lr)) / (np.sqrt(sd_new) + f(eps))
+        dec = np.where(m, np.where(a < sl, a, sl), f(0))
+        xd = np.where(x < 0, x + dec, x - dec)
+    return np.where(opt, x + s, xd), np.where(opt, so_new, so), np.where(opt, sd, sd_new)
+
+
+@needs_ext
+@pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("eps", [1e-10, 0.0])
+def test_step_float32_shortcut_is_exact(version, eps):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    n = 64 * 1024 + 5  # a vector tail too
+    f = np.float32
+    lr, lr1 = 0.3, 0.3 / 8.0
+    x = rng.standard_normal(n).astype(f)
+    g = rng.standard_normal(n).astype(f)
+    so = (rng.random(n) + 0.01).astype(f)
+    # sd around the value that makes a = sl: sqrt(sd + x^2) + eps = lr / lr1 = 8
+    # (first half: mostly surely a < sl, so that whole vectors take the shortcut
+    # with a near-boundary lane among them now and then)
+    near = [0.0, 1e-7, -1e-7, 1e-5, -1e-5, 1e-3, -1e-3]
+    rel_off = np.concatenate([rng.choice([-0.5] * 12 + near, n // 2), rng.choice(near + [0.5, -0.5, 10.0], n - n // 2)])
+    target = (8.0 * (1 + rel_off) - eps) ** 2 - x.astype(np.float64) ** 2
+    sd = np.where(target > 0, target, 1.0).astype(f)
+    # extremes: zero, denormal and huge accumulators, tiny and huge parameters
+    idx = rng.choice(n, 400, replace=False)
+    sd[idx[:80]] = 0.0
+    sd[idx[80:160]] = 1e-41
+    sd[idx[160:240]] = 3e38
+    x[idx[240:320]] = 1e-30
+    x[idx[320:400]] = 1e15
+    T = n // 10
+    tau = np.sort(np.abs(g))[-T]
+    hyper = torch.tensor([[lr, lr1, 0.0, eps, 0.0, 1.0]], dtype=torch.float64)
+    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
+    expected = _update_np(x, so, sd, g, tau, lr, lr1, eps, version)
+    for got, exp in zip(out, expected):
+        assert torch.equal(got, torch.from_numpy(exp))
