@@ -65,21 +65,6 @@ def _training_rows(quick: bool, threads: int):
     return rows
 
 
-class _TrainNet(nn.Module):
-    """The 13 VGG16-CIFAR convolutions chained with ReLU and max-pools (no BN)."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = F.relu(layer(x))
-            if i in POOL_AFTER:
-                x = F.max_pool2d(x, 2)
-        return x
-
-
 def _network_step_row(quick: bool, batch: int, threads: int):
     """One training step of the whole chained stack, timed end to end: each
     layer's weights and gradients pass through the caches between the other
@@ -96,7 +81,7 @@ def _network_step_row(quick: bool, batch: int, threads: int):
         fb = FBConv2d.from_conv2d(conv, FilterBasis(3, init="orthonormal"))
         fb.mask.bernoulli_(0.5)
         fbs.append(fb)
-    net_conv, net_fb = _TrainNet(convs), _TrainNet(fbs)
+    net_conv, net_fb = Stack(convs, relu=True), Stack(fbs, relu=True)
     x = torch.randn(batch, 3, 32, 32)
     with torch.no_grad():  # verify first: the FB stack computes the stack of its reconstructed filters
         ref = x
@@ -127,15 +112,19 @@ def _shape(row):
 
 
 class Stack(nn.Module):
-    """The VGG16-CIFAR conv stack in interspace form (fine sharing)."""
+    """The VGG16-CIFAR conv stack with max-pools (no BN; ReLU after each conv
+    with ``relu=True``, for the training step)."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, relu: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.relu = relu
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
             x = layer(x)
+            if self.relu:
+                x = F.relu(x)
             if i in POOL_AFTER:
                 x = F.max_pool2d(x, 2)
         return x
