@@ -84,11 +84,7 @@ def _network_step_row(quick: bool, batch: int, threads: int):
     net_conv, net_fb = Stack(convs, relu=True), Stack(fbs, relu=True)
     x = torch.randn(batch, 3, 32, 32)
     with torch.no_grad():  # verify first: the FB stack computes the stack of its reconstructed filters
-        ref = x
-        for i, fb in enumerate(fbs):
-            ref = F.relu(F.conv2d(ref, fb.reconstruct(), fb.bias, padding=1))
-            if i in POOL_AFTER:
-                ref = F.max_pool2d(ref, 2)
+        ref = Stack([fb.to_conv2d() for fb in fbs], relu=True)(x)
     torch.testing.assert_close(net_fb(x), ref, atol=1e-4 * (1 + ref.abs().max().item()), rtol=1e-4)
 
     def step(m):

@@ -582,6 +582,15 @@ scalar_t abs_effective(const Seg& s, int64_t j, bool with_x) {
   return std::abs(g + static_cast<scalar_t>(s.h[kWeightDecay]) * x);
 }
 
+// Shift that maps keys in [kmin, kmin + span] onto at most 4096 histogram bins.
+inline int bin_shift(uint64_t span) {
+  int shift = 0;
+  while ((span >> shift) >= 4096) {
+    ++shift;
+  }
+  return shift;
+}
+
 // The keys at two ascending positions p1 <= p2 of `keys` (which it reorders):
 // a histogram of the keys' top bits over their range (at most 4096 bins),
 // then nth_element inside the one or two bins that hold p1 and p2. Same
@@ -595,10 +604,7 @@ void select_two(std::vector<K>& keys, int64_t p1, int64_t p2, K& v1, K& v2) {
     kmax = key > kmax ? key : kmax;
   }
   const uint64_t span = static_cast<uint64_t>(kmax) - static_cast<uint64_t>(kmin);
-  int shift = 0;
-  while ((span >> shift) >= 4096) {
-    ++shift;
-  }
+  const int shift = bin_shift(span);
   std::vector<int32_t> hist((span >> shift) + 1, 0);
   for (const K key : keys) {
     ++hist[(key - kmin) >> shift];
@@ -762,10 +768,7 @@ T* scratch(int slot, int64_t size) {
 template <typename K, typename T>
 K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64_t r) {
   const uint64_t span = static_cast<uint64_t>(khi) - static_cast<uint64_t>(klo);
-  int shift = 0;
-  while ((span >> shift) >= 4096) {
-    ++shift;
-  }
+  const int shift = bin_shift(span);
   const int64_t nbins = static_cast<int64_t>(span >> shift) + 1;
   // Histogram and bin collection run over the chunks' candidate lists in
   // parallel (one histogram and one key list per task, merged in task order, so
