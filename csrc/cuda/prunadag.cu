@@ -143,8 +143,10 @@ __global__ void hist_kernel(Meta m, const double* hyper, bool use_x, State* st, 
   const int64_t begin = static_cast<int64_t>(m.chunk_of[blockIdx.x]) * kChunk;
   const int64_t end = min(begin + kChunk, m.n[t]);
   const scalar_t* g = static_cast<const scalar_t*>(m.g[t]);
-  const scalar_t* x = use_x ? static_cast<const scalar_t*>(m.x[t]) : nullptr;
   const scalar_t wd = static_cast<scalar_t>(hyper ? hyper[m.row[t] * kHyperCols + kWeightDecay] : 0.0);
+  // x enters the key only through weight decay (as in the CPU scan): without it
+  // the radix passes read g alone
+  const scalar_t* x = use_x && wd != scalar_t(0) ? static_cast<const scalar_t*>(m.x[t]) : nullptr;
   const K prefix = static_cast<K>(st->prefix), pmask = static_cast<K>(st->pmask);
   const bool part = pruned(m, hyper, t);
   const bool counting = st->k > 0 && part;
