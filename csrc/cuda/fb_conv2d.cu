@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <tuple>
 
@@ -89,20 +90,34 @@ __global__ void reconstruct_grad_lam_kernel(const scalar_t* __restrict__ dh, con
 }
 
 // Partial sums of dg[n, k] = sum_m lam[m, n] mu[m, n] dh[m, k] (A.14) in double:
-// block b sums rows [b * rows_per_block, ...), thread t the entries t, t + blockDim, ...
+// block b stages its rows [b * rows_per_block, ...) of lam * mu (in double, as
+// before) and dh in shared memory with coalesced loads, then thread t sums the
+// entries t, t + blockDim, ... over those rows. (One block per 1024 rows read
+// lam and dh with a stride of N per thread and kept 81 of 256 threads busy:
+// 131 us for 256x512x9 on an H100.)
 template <typename scalar_t>
 __global__ void reconstruct_grad_basis_kernel(const scalar_t* __restrict__ dh, const scalar_t* __restrict__ lam,
                                               const scalar_t* __restrict__ mu, int64_t rows, int64_t n, int64_t k,
                                               int64_t rows_per_block, double* __restrict__ partial) {
+  extern __shared__ double smem[];
+  double* sc = smem;                           // rows_per_block x n: lam * mu
+  double* sd = smem + rows_per_block * n;      // rows_per_block x k: dh
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
-  const int64_t r1 = r0 + rows_per_block < rows ? r0 + rows_per_block : rows;
+  const int64_t nr = r0 + rows_per_block < rows ? rows_per_block : rows - r0;
+  for (int64_t e = threadIdx.x; e < nr * n; e += blockDim.x) {
+    double c = static_cast<double>(lam[r0 * n + e]);
+    if (mu != nullptr) c *= static_cast<double>(mu[r0 * n + e]);
+    sc[e] = c;
+  }
+  for (int64_t e = threadIdx.x; e < nr * k; e += blockDim.x) {
+    sd[e] = static_cast<double>(dh[r0 * k + e]);
+  }
+  __syncthreads();
   for (int64_t e = threadIdx.x; e < n * k; e += blockDim.x) {
     const int64_t j = e / k, kk = e % k;
     double acc = 0;
-    for (int64_t m = r0; m < r1; ++m) {
-      double c = static_cast<double>(lam[m * n + j]);
-      if (mu != nullptr) c *= static_cast<double>(mu[m * n + j]);
-      acc += c * static_cast<double>(dh[m * k + kk]);
+    for (int64_t m = 0; m < nr; ++m) {
+      acc += sc[m * n + j] * sd[m * k + kk];
     }
     partial[static_cast<int64_t>(blockIdx.x) * n * k + e] = acc;
   }
@@ -135,12 +150,14 @@ std::tuple<at::Tensor, at::Tensor> fb_reconstruct_backward_cuda(const at::Tensor
     }
   }
   if (output_mask[1]) {
-    constexpr int64_t kRowsPerBlock = 1024;
+    // rows per block: up to 64, within 32 KB of shared memory (doubles)
+    const int64_t kRowsPerBlock = std::max<int64_t>(1, std::min<int64_t>(64, 4096 / std::max<int64_t>(1, n + k)));
+    const size_t smem = static_cast<size_t>(kRowsPerBlock * (n + k)) * sizeof(double);
     const int64_t blocks = rows > 0 ? (rows + kRowsPerBlock - 1) / kRowsPerBlock : 0;
     auto partial = at::zeros({std::max<int64_t>(blocks, 1), n * k}, coefficients.options().dtype(at::kDouble));
     if (blocks > 0 && n * k > 0) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lam.scalar_type(), "fb_reconstruct_grad_basis", [&] {
-        reconstruct_grad_basis_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        reconstruct_grad_basis_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
             dh.data_ptr<scalar_t>(), lam.data_ptr<scalar_t>(), mu.defined() ? mu.data_ptr<scalar_t>() : nullptr,
             rows, n, k, kRowsPerBlock, partial.data_ptr<double>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
