@@ -1,0 +1,115 @@
+"""CUDA side of the issue 3 and issue 4 benchmarks (run where a GPU is lent):
+
+* prunAdag: fused PrunAdag step (version 3, relevant=0.1, global scope) against
+  ``torch.optim.Adagrad(foreach=True)`` (torch has no fused Adagrad on CUDA) and
+  the foreach PrunAdag path, one
+  tensor of 10M and 50 model-like tensors totalling 10M, float32; the
+  threshold op against ``torch.kthvalue`` on the concatenation.
+* filter-basis training: forward + backward of ``FBConv2d`` against
+  ``nn.Conv2d`` on the VGG16-CIFAR layer shapes at batch 32 (cuDNN).
+
+Every contender is checked against the others first. Medians of
+``torch.utils.benchmark`` (which synchronises CUDA). Writes ``gpu.json`` and
+``gpu.md``. Run: ``PYTHONPATH=. python -m bench.bench_gpu [--out DIR]``.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.bench_fb_conv2d import VGG16_CIFAR
+from bench.bench_prunadag import _sizes
+from bench.common import environment, median_time, write_results
+
+
+def _prunadag_rows():
+    from prunopt.optim import PrunAdag
+
+    rows = []
+    for label, count in (("1 tensor", 1), ("50 tensors", 50)):
+        sizes = _sizes(10_000_000, count)
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def params():
+            ps = [torch.randn(s, generator=g, device="cuda").requires_grad_() for s in sizes]
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g, device="cuda")
+            return ps
+
+        base = params()
+        clone = lambda: [torch.nn.Parameter(p.detach().clone()) for p in base]  # noqa: E731
+        ps_f, ps_e = clone(), clone()
+        for a, b, p in zip(ps_f, ps_e, base):
+            a.grad, b.grad = p.grad.clone(), p.grad.clone()
+        fused = PrunAdag(ps_f, lr=0.1, relevant=0.1, fused=True)
+        fe = PrunAdag(ps_e, lr=0.1, relevant=0.1, foreach=True)
+        fused.step()
+        fe.step()
+        err = max((a - b).abs().max().item() for a, b in zip(ps_f, ps_e))
+        assert err < 1e-5, f"fused and foreach PrunAdag differ by {err}"
+        ps_a = clone()
+        for a, p in zip(ps_a, base):
+            a.grad = p.grad.clone()
+        # torch's fused Adagrad has no CUDA kernel (torch 2.11: "fused=True requires ... cpu"):
+        # the strongest CUDA peer is the foreach (multi-tensor-apply) path
+        adagrad = torch.optim.Adagrad(ps_a, lr=0.1, foreach=True)
+        grads = [p.grad for p in base]
+        k = max(1, 10_000_000 // 10)
+        flat = torch.cat([x.abs() for x in grads])
+        assert torch.equal(torch.ops.prunopt.topk_threshold(grads, k), torch.kthvalue(flat, flat.numel() - k + 1).values)
+        t = {
+            "Adagrad(foreach=True)": median_time(adagrad.step, 1.0, device="cuda"),
+            "PrunAdag fused": median_time(fused.step, 1.0, device="cuda"),
+            "PrunAdag foreach": median_time(fe.step, 1.0, device="cuda"),
+            "topk_threshold": median_time(lambda: torch.ops.prunopt.topk_threshold(grads, k), 1.0, device="cuda"),
+            "torch.kthvalue(cat)": median_time(
+                lambda: torch.kthvalue(torch.cat([x.abs() for x in grads]), flat.numel() - k + 1), 1.0, device="cuda"),
+        }
+        for name, v in t.items():
+            rows.append({"case": f"prunadag {label}", "contender": name, "median_ms": v * 1e3,
+                         "vs_adagrad": v / t["Adagrad(foreach=True)"], "vs_fused_prunadag": v / t["PrunAdag fused"]})
+    return rows
+
+
+def _fb_rows():
+    from prunopt.nn import FBConv2d, FilterBasis
+
+    rows = []
+    for c_in, c_out, hw in sorted(set(VGG16_CIFAR), key=VGG16_CIFAR.index):
+        torch.manual_seed(0)
+        conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        fb = FBConv2d.from_conv2d(conv, FilterBasis(3, init="orthonormal"))
+        fb.mask.bernoulli_(0.5)
+        conv, fb = conv.cuda(), fb.cuda()
+        x = torch.randn(32, c_in, hw, hw, device="cuda", requires_grad=True)
+        torch.testing.assert_close(fb(x), F.conv2d(x, fb.reconstruct(), fb.bias, padding=1), atol=1e-3, rtol=1e-3)
+
+        def step(m):
+            y = m(x)
+            y.backward(torch.ones_like(y))
+
+        t_conv = median_time(lambda: step(conv), 0.5, device="cuda")
+        t_fb = median_time(lambda: step(fb), 0.5, device="cuda")
+        rows.append({"case": f"FB training {c_in}->{c_out} @{hw}x{hw}, batch 32", "contender": "FBConv2d vs nn.Conv2d",
+                     "median_ms": t_fb * 1e3, "vs_adagrad": "", "vs_fused_prunadag": "",
+                     "conv2d_ms": t_conv * 1e3, "ratio": t_fb / t_conv})
+    return rows
+
+
+def main(out=None):
+    env = environment(torch.get_num_threads())
+    rows = _prunadag_rows() + _fb_rows()
+    return write_results("gpu", rows, env, out_dir=out,
+                         notes="CUDA: prunAdag (10M float32, version 3, relevant 0.1, global) and FB training "
+                               "(VGG16-CIFAR layers, batch 32, 50% mask). Medians in ms.",
+                         columns=["case", "contender", "median_ms", "vs_adagrad", "vs_fused_prunadag",
+                                  "conv2d_ms", "ratio"])
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    print(main(ap.parse_args().out))
