@@ -9,26 +9,10 @@ import torch
 
 import prunopt
 from prunopt.reference.prunadag import TensorHyper
+from test_prunadag_ops import _case as _lists, _hyper_tensor as _hyper  # same data builders as the CPU tests
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and prunopt.cuda_kernels_available()),
                                 reason="needs a GPU and the CUDA kernels")
-
-
-def _hyper(hypers):
-    rows = [[h.lr_k, h.lr_k / (h.k + 1), h.weight_decay, h.eps, float(h.maximize), float(h.prune)] for h in hypers]
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(hypers), 6)
-
-
-def _lists(sizes, dtype, seed, ties=False):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
-    gs = [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
-    if ties:
-        gs = [(v * 2).round() / 2 for v in gs]
-    gs = [v.to(dtype) for v in gs]
-    so = [(torch.rand(n, generator=g, dtype=torch.float64) + 0.01).to(dtype) for n in sizes]
-    sd = [(torch.rand(n, generator=g, dtype=torch.float64) + 0.01).to(dtype) for n in sizes]
-    return xs, gs, so, sd
 
 
 SIZES = [[1], [4097, 13, 0, 7], [150_001], [70_001, 1, 65_536, 30_000] + [3] * 40]
@@ -51,7 +35,7 @@ def test_threshold_cuda_matches_cpu(sizes, dtype, ties):
 @pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("wd, maximize", [(0.0, False), (0.1, True)])
 def test_step_cuda_matches_cpu(sizes, dtype, version, wd, maximize):
-    xs, gs, so, sd = _lists(sizes, dtype, 1)
+    xs, gs, so, sd = _lists(sizes, dtype, 1, False)
     hypers = [TensorHyper(lr=0.3, k=2.0, lr_decay=0.1, weight_decay=wd, eps=1e-8, maximize=maximize,
                           prune=not (i == len(sizes) - 1 and len(sizes) > 1)) for i in range(len(sizes))]
     n = sum(s for s, h in zip(sizes, hypers) if h.prune)
@@ -68,7 +52,7 @@ def test_step_cuda_matches_cpu(sizes, dtype, version, wd, maximize):
 
 
 def test_step_cuda_nonfinite_flag_skips_writes():
-    xs, gs, so, sd = _lists([5000, 300], torch.float32, 2)
+    xs, gs, so, sd = _lists([5000, 300], torch.float32, 2, False)
     gs[1][7] = math.nan
     dev = [[t.cuda() for t in lst] for lst in (xs, so, sd)]
     before = [t.clone() for lst in dev for t in lst]
