@@ -26,7 +26,7 @@ def extensions():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/autograd/*.cpp"))
     # -ffp-contract=off: GCC fuses a * b + c into one FMA in C++ even with
     # -std=c++20, so the kernels would not compute the operations they are
     # written with (and the fused and reference paths would round apart).

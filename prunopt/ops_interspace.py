@@ -351,18 +351,6 @@ def _conv_backward(grad: Tensor, input: Tensor, h: Tensor, has_bias: bool, strid
     )
 
 
-def _fb_reconstruct_setup(ctx, inputs, output):
-    coefficients, basis, mask = inputs
-    ctx.save_for_backward(coefficients, basis, mask)
-
-
-def _fb_reconstruct_backward(ctx, grad_h):
-    coefficients, basis, mask = ctx.saved_tensors
-    g_lam, g_basis = _reconstruct_grads(grad_h, coefficients, basis, mask, ctx.needs_input_grad[0],
-                                        ctx.needs_input_grad[1])
-    return g_lam, g_basis, None
-
-
 def _fb_reconstruct_backward_setup(ctx, inputs, output):
     grad_h, coefficients, basis, mask, output_mask = inputs
     ctx.save_for_backward(grad_h, coefficients, basis, mask)
@@ -440,8 +428,11 @@ def _fb_conv2d_csr_backward(ctx, grad):
 
 
 def register_fb_autograd() -> None:
-    """Registers the backward formulas above for the four FB ops."""
-    torch.library.register_autograd("prunopt::fb_reconstruct", _fb_reconstruct_backward, setup_context=_fb_reconstruct_setup)
+    """Registers the backward formulas above for three FB ops. ``prunopt::fb_reconstruct``,
+    the op of the training path, has its autograd in C++
+    (``csrc/autograd/fb_reconstruct.cpp``: the same formulas, eq. 7, A.13, A.14, with
+    no Python on the host's path); its double backward is the autograd of
+    ``prunopt::fb_reconstruct_backward`` registered here."""
     if hasattr(torch.ops.prunopt, "fb_reconstruct_backward"):
         torch.library.register_autograd("prunopt::fb_reconstruct_backward", _fb_reconstruct_backward_backward,
                                         setup_context=_fb_reconstruct_backward_setup)

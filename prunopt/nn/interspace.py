@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _pair, _reverse_repeat_tuple
 
 from prunopt import ops, ops_interspace
+from prunopt.reference.interspace import validate_fb_input
 
 __all__ = [
     "FilterBasis",
@@ -230,20 +231,25 @@ class FBConv2d(nn.Module):
             return tuple(d * (k - 1) // 2 for d, k in zip(self.dilation, self.kernel_size))
         return self.padding
 
-    def _inference_cache(self) -> dict:
-        """The eval-mode cache: the CSR of ``lam * mu`` and, when the dense path is
-        taken, the reconstructed filters. Keyed by the versions and storages of
-        coefficients, mask and basis, so in-place updates (optimizer steps,
-        pruning) invalidate it; it is never used when a gradient is needed."""
-        # the registries are read directly (nn.Module.__getattr__ would cost
-        # more than the rest of a small layer's Python frame), falling back to
-        # attributes when a tool such as torch.nn.utils.prune replaced them
+    def _fb_tensors(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(coefficients, mask, basis.weight)``. The registries are read directly
+        (``nn.Module.__getattr__`` would cost more than the rest of a small layer's
+        Python frame), falling back to attributes when a tool such as
+        ``torch.nn.utils.prune`` replaced them."""
         lam = self._parameters.get("coefficients")
         lam = self.coefficients if lam is None else lam
         mu = self._buffers.get("mask")
         mu = self.mask if mu is None else mu
         g = self.basis._parameters.get("weight")
         g = self.basis.weight if g is None else g
+        return lam, mu, g
+
+    def _inference_cache(self) -> dict:
+        """The eval-mode cache: the CSR of ``lam * mu`` and, when the dense path is
+        taken, the reconstructed filters. Keyed by the versions and storages of
+        coefficients, mask and basis, so in-place updates (optimizer steps,
+        pruning) invalidate it; it is never used when a gradient is needed."""
+        lam, mu, g = self._fb_tensors()
         key = (lam._version, mu._version, g._version, lam.data_ptr(), mu.data_ptr(), g.data_ptr(), lam.device,
                lam.dtype, g.dtype)
         if self._compressed_key != key:
@@ -319,14 +325,23 @@ class FBConv2d(nn.Module):
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             input = F.pad(input, pad, mode=mode)
         padding = self._conv_padding()
+        lam, mu, g = self._fb_tensors()
+        bias = self.bias
         needs_grad = torch.is_grad_enabled() and (
-            input.requires_grad or self.coefficients.requires_grad or self.basis.weight.requires_grad
-            or (self.bias is not None and self.bias.requires_grad)
+            input.requires_grad or lam.requires_grad or g.requires_grad or (bias is not None and bias.requires_grad)
         )
         if not needs_grad and not self.training and not torch.compiler.is_compiling():
             return self._inference_forward(input, padding)
-        return ops.fb_conv2d(input, self.coefficients, self.basis.weight, self.mask, self.bias, self.stride, padding,
-                             self.dilation, self.groups)
+        # The training path (eq. 6): the fused reconstruction, whose autograd is
+        # in C++ (eq. 7, A.13, A.14), then conv2d. The layer's own arguments were
+        # checked when it was built; the op checks lam, mu and g (ValueError
+        # naming them) and only the input is checked here.
+        validate_fb_input(input, lam, g, padding, self.dilation, self.groups)
+        if mu.dtype == lam.dtype and lam.device.type in ops_interspace._RECON_DEVICES:
+            h = torch.ops.prunopt.fb_reconstruct.default(lam, g, mu)
+        else:
+            h = ops.fb_reconstruct(lam, g, mu)
+        return F.conv2d(input, h, bias, self.stride, padding, self.dilation, self.groups)
 
     # -- conversions (App. E) -------------------------------------------------------------
     def _conv_kwargs(self) -> dict:

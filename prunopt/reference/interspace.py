@@ -34,6 +34,7 @@ __all__ = [
     "fb_conv2d_sparse_reference",
     "fb_coefficient_grads_reference",
     "validate_fb_args",
+    "validate_fb_input",
     "basis_matrix",
 ]
 
@@ -122,27 +123,35 @@ def validate_fb_args(
     if groups < 1 or coefficients.shape[0] % groups != 0:
         raise ValueError(f"groups must be >= 1 and divide C_out = {coefficients.shape[0]}, got {groups}")
     if input is not None:
-        if not isinstance(input, Tensor):
-            raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
-        if input.dim() not in (3, 4):
-            raise ValueError(f"input must have shape (B, C_in, H, W) or (C_in, H, W), got {tuple(input.shape)}")
-        if input.dtype != coefficients.dtype:
-            raise ValueError(f"input must have the dtype of coefficients ({coefficients.dtype}), got {input.dtype}")
-        if input.device != coefficients.device:
-            raise ValueError(f"input must be on the device of coefficients ({coefficients.device}), got {input.device}")
-        c_in = input.shape[-3]
-        if c_in != coefficients.shape[1] * groups:
-            raise ValueError(
-                f"input has {c_in} channels but coefficients {tuple(coefficients.shape)} with groups={groups} "
-                f"expect C_in = {coefficients.shape[1] * groups}"
-            )
-        for d, (size, k) in enumerate(zip(input.shape[-2:], basis.shape[1:])):
-            if size + 2 * padding[d] < dilation[d] * (k - 1) + 1:
-                raise ValueError(
-                    f"input spatial size {tuple(input.shape[-2:])} (padded by {padding}) is smaller than the "
-                    f"dilated kernel {tuple(basis.shape[1:])} (dilation {dilation})"
-                )
+        validate_fb_input(input, coefficients, basis, padding, dilation, groups)
     return stride, padding, dilation, groups
+
+
+def validate_fb_input(input: Tensor, coefficients: Tensor, basis: Tensor, padding: Tuple[int, int],
+                      dilation: Tuple[int, int], groups: int) -> None:
+    """Checks the ``input`` of an FB convolution against checked ``coefficients`` and
+    ``basis`` and normalised conv arguments (the input part of
+    :func:`validate_fb_args`, which the training path of ``FBConv2d`` calls alone)."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
+    if input.dim() not in (3, 4):
+        raise ValueError(f"input must have shape (B, C_in, H, W) or (C_in, H, W), got {tuple(input.shape)}")
+    if input.dtype != coefficients.dtype:
+        raise ValueError(f"input must have the dtype of coefficients ({coefficients.dtype}), got {input.dtype}")
+    if input.device != coefficients.device:
+        raise ValueError(f"input must be on the device of coefficients ({coefficients.device}), got {input.device}")
+    c_in = input.shape[-3]
+    if c_in != coefficients.shape[1] * groups:
+        raise ValueError(
+            f"input has {c_in} channels but coefficients {tuple(coefficients.shape)} with groups={groups} "
+            f"expect C_in = {coefficients.shape[1] * groups}"
+        )
+    for d, (size, k) in enumerate(zip(input.shape[-2:], basis.shape[1:])):
+        if size + 2 * padding[d] < dilation[d] * (k - 1) + 1:
+            raise ValueError(
+                f"input spatial size {tuple(input.shape[-2:])} (padded by {padding}) is smaller than the "
+                f"dilated kernel {tuple(basis.shape[1:])} (dilation {dilation})"
+            )
 
 
 def basis_matrix(basis: Tensor) -> Tensor:

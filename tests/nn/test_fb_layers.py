@@ -151,6 +151,39 @@ def test_mask_zeroes_coefficient_gradient_and_basis_gets_gradient():
     torch.testing.assert_close(layer(x), y0)
 
 
+@pytest.mark.parametrize("requires", [(True, True, True, True), (False, True, False, False), (False, False, True, True)])
+def test_training_gradients_match_reference(requires):
+    """The layer's training path (the fused reconstruction, its autograd in C++, then
+    conv2d) gives the gradients of reconstruct + F.conv2d (eq. 7, A.11-A.14) for every
+    subset of input / coefficients / basis / bias that requires one."""
+    torch.manual_seed(3)
+    layer = FBConv2d(4, 6, 3, stride=(1, 2), padding=1, groups=2, basis=FilterBasis(3, init="orthonormal")).double()
+    layer.mask.bernoulli_(0.6, generator=_gen(4))
+    x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
+    ps = (x, layer.coefficients, layer.basis.weight, layer.bias)
+    for p, r in zip(ps, requires):
+        p.requires_grad_(r)
+    wanted = [p for p, r in zip(ps, requires) if r]
+    gy = torch.randn_like(layer(x))
+    got = torch.autograd.grad(layer(x), wanted, gy)
+    ref = fb_conv2d_reference(x, layer.coefficients, layer.basis.weight, layer.mask, layer.bias, (1, 2), 1, 1, 2)
+    expected = torch.autograd.grad(ref, wanted, gy)
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=0)
+    if prunopt.extension_available():
+        # no Python autograd node on the training path (its host cost is the step of a small GPU layer)
+        h = torch.ops.prunopt.fb_reconstruct(layer.coefficients, layer.basis.weight, layer.mask)
+        if h.requires_grad:
+            assert "CppNode" in h.grad_fn.name()
+    lam, g = layer.coefficients.detach().clone(), layer.basis.weight.detach().clone()
+
+    def f(x, lam, g):
+        return torch.func.functional_call(layer, {"coefficients": lam, "basis.weight": g}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x.detach().requires_grad_(), lam.requires_grad_(), g.requires_grad_()),
+                                    fast_mode=True)
+
+
 def test_eval_cache_follows_coefficient_and_mask_changes():
     layer = FBConv2d(8, 8, 3, padding=1).eval()
     layer.mask.bernoulli_(0.1, generator=_gen())
