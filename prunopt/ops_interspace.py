@@ -213,13 +213,22 @@ def fb_conv2d(
             :func:`auto_max_density` of the layer and input (the cost model
             :func:`sparse_is_faster`). All paths agree to rounding and are
             differentiable (eq. 7, A.12-A.14).
+
+    Under ``torch.autocast`` the input may have the autocast dtype: ``"auto"``
+    then takes the dense path, whose ``conv2d`` runs in the autocast dtype as
+    ``F.conv2d`` does (the filters are reconstructed in the coefficients'
+    dtype); ``"sparse"`` casts the input to the coefficients' dtype.
     """
-    stride, padding, dilation, groups = validate_fb_args(input, coefficients, basis, mask, bias, stride, padding, dilation, groups)
+    autocast = isinstance(input, Tensor) and torch.is_autocast_enabled(input.device.type)
+    stride, padding, dilation, groups = validate_fb_args(input, coefficients, basis, mask, bias, stride, padding, dilation,
+                                                         groups, check_input_dtype=not autocast)
     if path not in ("auto", "dense", "sparse"):
         raise ValueError(f"path must be 'auto', 'dense' or 'sparse', got {path!r}")
     mask = _mask_like(mask, coefficients)
-    if path == "dense" or (path == "auto" and _needs_grad(input, coefficients, basis, bias)):
+    if path == "dense" or (path == "auto" and (autocast or _needs_grad(input, coefficients, basis, bias))):
         return F.conv2d(input, fb_reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
+    if autocast:  # "sparse" asked for under autocast: computed in the coefficients' dtype
+        input = input.to(coefficients.dtype)
     if path == "sparse":
         max_density = 1.0
     else:

@@ -263,24 +263,28 @@ class FBConv2d(nn.Module):
             cache["csr"] = ops.fb_compress(self.coefficients.detach(), self.mask)
         return cache["csr"]
 
-    def _inference_forward(self, input: Tensor, padding) -> Tensor:
+    def _inference_forward(self, input: Tensor, padding, dense_only: bool = False) -> Tensor:
         """Eval without gradients: eq. 8 on the cached CSR when the cost model
         (:func:`prunopt.ops_interspace.sparse_is_faster`) says it beats
         ``conv2d``, else ``conv2d`` with the cached reconstructed filters. The
         choice is cached per input shape with the CSR (a small layer's whole
         call is ~20 us, so its Python frame is kept short)."""
         cache = self._inference_cache()
-        plan_key = ("plan", input.shape, padding)
-        sparse = cache.get(plan_key)
-        if sparse is None:
-            sparse = self._inference_plan(input, padding, cache)
-            if len(cache) < 256:  # bounded for inputs of many sizes
-                cache[plan_key] = sparse
-        g = self.basis.weight
+        if dense_only:
+            sparse = False
+        else:
+            plan_key = ("plan", input.shape, padding)
+            sparse = cache.get(plan_key)
+            if sparse is None:
+                sparse = self._inference_plan(input, padding, cache)
+                if len(cache) < 256:  # bounded for inputs of many sizes
+                    cache[plan_key] = sparse
+        lam, mu, g = self._fb_tensors()
         if not sparse:
+            validate_fb_input(input, lam, g, padding, self.dilation, self.groups, check_dtype=not dense_only)
             filters = cache.get("filters")
             if filters is None:
-                filters = cache["filters"] = ops.fb_reconstruct(self.coefficients.detach(), g.detach(), self.mask)
+                filters = cache["filters"] = ops.fb_reconstruct(lam.detach(), g.detach(), mu)
             return F.conv2d(input, filters, self.bias, self.stride, padding, self.dilation, self.groups)
         comp = cache["csr"]
         batched = input.dim() == 4
@@ -320,6 +324,8 @@ class FBConv2d(nn.Module):
             return float(((self.coefficients * self.mask) != 0).sum()) / max(1, self.coefficients.numel())
 
     def forward(self, input: Tensor) -> Tensor:
+        if not isinstance(input, Tensor):
+            raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
         pad = self._explicit_padding()
         if pad is not None:
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
@@ -330,13 +336,18 @@ class FBConv2d(nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or lam.requires_grad or g.requires_grad or (bias is not None and bias.requires_grad)
         )
+        # Under autocast the filters are reconstructed in the coefficients' dtype
+        # and conv2d runs in the autocast dtype, as nn.Conv2d does (so the input
+        # may have that dtype); the sparse path, which computes in the
+        # coefficients' dtype, is not taken.
+        autocast = torch.is_autocast_enabled(input.device.type)
         if not needs_grad and not self.training and not torch.compiler.is_compiling():
-            return self._inference_forward(input, padding)
+            return self._inference_forward(input, padding, dense_only=autocast)
         # The training path (eq. 6): the fused reconstruction, whose autograd is
         # in C++ (eq. 7, A.13, A.14), then conv2d. The layer's own arguments were
         # checked when it was built; the op checks lam, mu and g (ValueError
         # naming them) and only the input is checked here.
-        validate_fb_input(input, lam, g, padding, self.dilation, self.groups)
+        validate_fb_input(input, lam, g, padding, self.dilation, self.groups, check_dtype=not autocast)
         if mu.dtype == lam.dtype and lam.device.type in ops_interspace._RECON_DEVICES:
             h = torch.ops.prunopt.fb_reconstruct.default(lam, g, mu)
         else:

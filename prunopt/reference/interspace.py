@@ -65,6 +65,7 @@ def validate_fb_args(
     padding: IntPair = 0,
     dilation: IntPair = 1,
     groups: int = 1,
+    check_input_dtype: bool = True,
 ):
     """Checks the arguments of the FB ops and normalises the conv arguments.
 
@@ -123,20 +124,21 @@ def validate_fb_args(
     if groups < 1 or coefficients.shape[0] % groups != 0:
         raise ValueError(f"groups must be >= 1 and divide C_out = {coefficients.shape[0]}, got {groups}")
     if input is not None:
-        validate_fb_input(input, coefficients, basis, padding, dilation, groups)
+        validate_fb_input(input, coefficients, basis, padding, dilation, groups, check_input_dtype)
     return stride, padding, dilation, groups
 
 
 def validate_fb_input(input: Tensor, coefficients: Tensor, basis: Tensor, padding: Tuple[int, int],
-                      dilation: Tuple[int, int], groups: int) -> None:
+                      dilation: Tuple[int, int], groups: int, check_dtype: bool = True) -> None:
     """Checks the ``input`` of an FB convolution against checked ``coefficients`` and
     ``basis`` and normalised conv arguments (the input part of
-    :func:`validate_fb_args`, which the training path of ``FBConv2d`` calls alone)."""
+    :func:`validate_fb_args`, which the training path of ``FBConv2d`` calls alone).
+    ``check_dtype=False`` under autocast, where ``conv2d`` casts input and filters."""
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
     if input.dim() not in (3, 4):
         raise ValueError(f"input must have shape (B, C_in, H, W) or (C_in, H, W), got {tuple(input.shape)}")
-    if input.dtype != coefficients.dtype:
+    if check_dtype and input.dtype != coefficients.dtype:
         raise ValueError(f"input must have the dtype of coefficients ({coefficients.dtype}), got {input.dtype}")
     if input.device != coefficients.device:
         raise ValueError(f"input must be on the device of coefficients ({coefficients.device}), got {input.device}")

@@ -184,6 +184,58 @@ def test_training_gradients_match_reference(requires):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_autocast_matches_conv2d(train):
+    """Under torch.autocast the layer behaves as nn.Conv2d: conv2d in the autocast
+    dtype (the input may have it), the filters reconstructed in the coefficients'
+    dtype, float32 gradients for coefficients and basis; in eval a pruned layer
+    does not take the sparse path (which computes in float32)."""
+    torch.manual_seed(5)
+    fbs = nn.Sequential(FBConv2d(3, 64, 3, padding=1), nn.ReLU(), FBConv2d(64, 64, 3, padding=1))
+    fbs[0].mask.bernoulli_(0.5, generator=_gen(6))
+    fbs[2].mask.bernoulli_(0.01, generator=_gen(6))  # sparse enough for the sparse eval path
+    convs = nn.Sequential(fbs[0].to_conv2d(), nn.ReLU(), fbs[2].to_conv2d())
+    x = torch.randn(1, 3, 8, 8)
+    if not train:
+        with torch.no_grad():
+            fbs.eval()(x)
+        assert fbs[2]._compressed[("plan", torch.Size([1, 64, 8, 8]), (1, 1))]  # sparse without autocast
+    fbs.train(train)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(train):
+        y = fbs(x)
+        y_ref = convs(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    if train:
+        y.float().square().sum().backward()
+        assert fbs[2].coefficients.grad.dtype == torch.float32 and fbs[2].basis.weight.grad.dtype == torch.float32
+        assert torch.isfinite(fbs[0].coefficients.grad).all()
+        # the mask still zeroes the gradient of pruned coefficients (eq. 7)
+        assert torch.equal(fbs[0].coefficients.grad * (1 - fbs[0].mask), torch.zeros_like(fbs[0].coefficients))
+
+
+def test_functional_autocast():
+    torch.manual_seed(7)
+    x = torch.randn(1, 4, 6, 6)
+    lam, basis = torch.randn(5, 4, 9), torch.linalg.qr(torch.randn(9, 9))[0].reshape(9, 3, 3)
+    mask = (torch.rand(5, 4, 9) < 0.1).float()
+    exact = fb_conv2d_reference(x, lam, basis, mask, None, 1, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_auto = prunopt.ops.fb_conv2d(x.bfloat16(), lam, basis, mask, padding=1)
+        y_sparse = prunopt.ops.fb_conv2d(x.bfloat16(), lam, basis, mask, padding=1, path="sparse")
+    assert y_auto.dtype == torch.bfloat16 and y_sparse.dtype == torch.float32
+    torch.testing.assert_close(y_auto.float(), exact, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(y_sparse, fb_conv2d_reference(x.bfloat16().float(), lam, basis, mask, None, 1, 1),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dtype"):  # without autocast the dtypes must agree
+        prunopt.ops.fb_conv2d(x.bfloat16(), lam, basis, mask, padding=1)
+
+
+def test_non_tensor_input_is_a_type_error():
+    with pytest.raises(TypeError, match="input"):
+        FBConv2d(4, 6, 3)([[1.0]])
+
+
 def test_eval_cache_follows_coefficient_and_mask_changes():
     layer = FBConv2d(8, 8, 3, padding=1).eval()
     layer.mask.bernoulli_(0.1, generator=_gen())
