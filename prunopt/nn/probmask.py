@@ -160,6 +160,10 @@ def apply_probmask(model: nn.Module, layer_types: Tuple[Type[nn.Module], ...] = 
     """Wraps the ``weight`` of every module of ``layer_types`` (except the
     qualified names in ``exclude``) with a :class:`ProbMask` parametrization.
     Returns ``[(qualified_name, mask), ...]``."""
+    if isinstance(layer_types, type):
+        layer_types = (layer_types,)
+    if not isinstance(layer_types, tuple) or not layer_types or not all(isinstance(t, type) for t in layer_types):
+        raise TypeError(f"layer_types must be a module class or a non-empty tuple of them, got {layer_types!r}")
     exclude = set(exclude)
     known = {name for name, _ in model.named_modules()}
     unknown = exclude - known

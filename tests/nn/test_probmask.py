@@ -113,6 +113,10 @@ def test_errors():
         apply_probmask(_model(), exclude=["nope"])
     with pytest.raises(ValueError, match="no layer"):
         apply_probmask(nn.ReLU())
+    for bad in (0.5, (), (nn.Linear, "Conv2d")):
+        with pytest.raises(TypeError, match="layer_types"):
+            apply_probmask(_model(), bad)
+    assert [n for n, _ in apply_probmask(_model(), nn.Linear)]  # one class is accepted as well
     with pytest.raises(ValueError, match="density"):
         finalize_probmask(_model(), 1.2)
 
