@@ -322,9 +322,9 @@ def test_step_large_nonfinite_raises_before_writing():
 # right at a = sl, tiny and huge accumulators, and eps = 0.
 
 def _update_np(x, so, sd, g, tau, lr, lr1, eps, version):
-    """update_one (csrc/include/prunopt/prunadag.h) in numpy float32, operation by operation."""
+    """update_one (csrc/include/prunopt/prunadag.h) in numpy (x's dtype), operation by operation."""
     import numpy as np
-    f = np.float32
+    f = x.dtype.type
     with np.errstate(all="ignore"):
         rel = np.abs(g) >= f(tau)
         so_new = so + g * g
@@ -340,6 +340,42 @@ def _update_np(x, so, sd, g, tau, lr, lr1, eps, version):
         dec = np.where(m, np.where(a < sl, a, sl), f(0))
         xd = np.where(x < 0, x + dec, x - dec)
     return np.where(opt, x + s, xd), np.where(opt, so_new, so), np.where(opt, sd, sd_new)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("version", [2, 4])
+def test_step_tiny_parameters_are_exact(dtype, version):
+    """The element pass squares 0 instead of a tiny x where x * x cannot change
+    sd (|x| < 2^-60 and sd >= 2^-90 in float32; 2^-520 / 2^-960 in float64), so
+    that long runs, which drive decreased weights towards 0, take no underflow
+    assists. The result has the bits of update_one for every x and sd around
+    those bounds, denormals and zeros included."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    f = np.dtype(dtype).type
+    xt, sb = (2.0 ** -60, 2.0 ** -90) if dtype == "float32" else (2.0 ** -520, 2.0 ** -960)
+    tiny = np.finfo(dtype).tiny
+    xs = np.array([xt, np.nextafter(f(xt), f(0)), np.nextafter(f(xt), f(1)), xt / 2, xt / 1e3, xt * 2,
+                   tiny, tiny / 3, tiny * 1e-6, 0.0, 1e-3, 1.0], dtype=dtype)
+    # (below sb, e.g. sb * 2^-10, x * x does change sd: the guard must leave those)
+    sds = np.array([sb, np.nextafter(f(sb), f(0)), np.nextafter(f(sb), f(1)), sb / 4, sb * 4, sb * 2.0 ** -10,
+                    sb * 2.0 ** -20, 0.0, tiny / 5, tiny, xt * xt * 4, 1e-2, 1.0], dtype=dtype)
+    n = 16 * 1024 + 3
+    x = rng.choice(xs, n) * rng.choice([-1, 1], n)
+    sd = rng.choice(sds, n)
+    g = rng.standard_normal(n).astype(dtype)
+    so = (rng.random(n) + 0.01).astype(dtype)
+    x, sd = x.astype(dtype), sd.astype(dtype)
+    lr, lr1 = 0.3, 0.01
+    T = n // 10
+    tau = np.sort(np.abs(g))[-T]
+    hyper = torch.tensor([[lr, lr1, 0.0, 1e-10, 0.0, 1.0]], dtype=torch.float64)
+    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
+    expected = _update_np(x, so, sd, g, tau, lr, lr1, 1e-10, version)
+    for got, exp in zip(out, expected):
+        assert torch.equal(got, torch.from_numpy(exp))
 
 
 @needs_ext
