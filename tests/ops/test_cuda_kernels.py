@@ -137,3 +137,31 @@ def test_fbconv2d_layer_cuda_train_and_eval():
     gl.eval()
     with torch.no_grad():
         torch.testing.assert_close(gl(x.cuda()).cpu(), ref.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_fbconv2d_layer_cuda_gradients_and_autocast():
+    """The training path on CUDA (fb_reconstruct's C++ autograd, then cuDNN) gives the
+    CPU layer's gradients; under float16 autocast it runs as nn.Conv2d does."""
+    from prunopt.nn import FBConv2d, FilterBasis
+    torch.manual_seed(6)
+    layer = FBConv2d(16, 32, 3, padding=1, basis=FilterBasis(3, init="orthonormal")).double()
+    layer.mask.bernoulli_(0.5)
+    x = torch.randn(2, 16, 8, 8, dtype=torch.float64)
+    layer(x).square().sum().backward()
+    expected = (layer.coefficients.grad.clone(), layer.basis.weight.grad.clone())
+    gl = layer.cuda()
+    gl.zero_grad(set_to_none=True)
+    y = gl(x.cuda())
+    assert "CppNode" in y.grad_fn.next_functions[1][0].name()  # the filters' node: C++ autograd
+    y.square().sum().backward()
+    for got, exp in zip((gl.coefficients.grad, gl.basis.weight.grad), expected):
+        torch.testing.assert_close(got.cpu(), exp, atol=1e-9, rtol=1e-9)
+    gl = gl.float()
+    conv = gl.to_conv2d()
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = gl(x.float().cuda())
+        y_ref = conv(x.float().cuda())
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert gl.coefficients.grad.dtype == torch.float32 and torch.isfinite(gl.coefficients.grad).all()
