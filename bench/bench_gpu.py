@@ -93,9 +93,13 @@ def _fb_rows():
 
         t_conv = median_time(lambda: step(conv), 0.5, device="cuda")
         t_fb = median_time(lambda: step(fb), 0.5, device="cuda")
+        # the forward alone (with the graph recorded): the host's share of a small layer
+        t_conv_fwd = median_time(lambda: conv(x), 0.3, device="cuda")
+        t_fb_fwd = median_time(lambda: fb(x), 0.3, device="cuda")
         rows.append({"case": f"FB training {c_in}->{c_out} @{hw}x{hw}, batch 32", "contender": "FBConv2d vs nn.Conv2d",
                      "median_ms": t_fb * 1e3, "vs_adagrad": "", "vs_fused_prunadag": "",
-                     "conv2d_ms": t_conv * 1e3, "ratio": t_fb / t_conv})
+                     "conv2d_ms": t_conv * 1e3, "ratio": t_fb / t_conv,
+                     "fwd_ms (FB / conv)": f"{t_fb_fwd * 1e3:.3f} / {t_conv_fwd * 1e3:.3f}"})
     return rows
 
 
@@ -106,7 +110,7 @@ def main(out=None):
                          notes="CUDA: prunAdag (10M float32, version 3, relevant 0.1, global) and FB training "
                                "(VGG16-CIFAR layers, batch 32, 50% mask). Medians in ms.",
                          columns=["case", "contender", "median_ms", "vs_adagrad", "vs_fused_prunadag",
-                                  "conv2d_ms", "ratio"])
+                                  "conv2d_ms", "ratio", "fwd_ms (FB / conv)"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs there, in one call of the device tool:
+#   bash tools/gpu_session.sh          (results and logs in $OUT, else /tmp/gpu_out)
+# Builds the extension for the GPU's architecture, runs the CUDA tests and the
+# device-parametrised suites (pytest -n 8: on the torch 2.11 / gcc 13 machine seen
+# in session 5, an error raised from the extension crashed its process in
+# std::ostream, so each crash takes down one worker, not the run), then the GPU
+# benchmark (bench/bench_gpu.py -> gpu.md / gpu.json in $OUT; copy them to
+# bench/results/ with the device name in the commit).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || exit 1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
+nvidia-smi -L
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+echo "== build (sm_$arch)"
+python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "== CUDA tests and device-parametrised suites"
+python3 -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_cuda_kernels.py tests/ops/test_fb_conv2d.py \
+  tests/ops/test_fb_reconstruct.py tests/ops/test_project_budget.py tests/ops/test_sparsification_ops.py \
+  tests/nn/test_fb_layers.py > "$OUT/tests.log" 2>&1
+tail -30 "$OUT/tests.log"
+echo "== GPU benchmark"
+python3 -m bench.bench_gpu --out "$OUT" 2>&1 | tail -60
