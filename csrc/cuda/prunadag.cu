@@ -35,8 +35,10 @@ constexpr int kMaxTensors = 36;
 constexpr int kMaxChunks = 320;
 constexpr int kChunk = 16384;
 constexpr int kThreads = 256;
-constexpr int kDigit = 8;
+constexpr int kDigit = 11;           // float: 3 passes (11, 11, 9 bits), double: 6
 constexpr int kBins = 1 << kDigit;
+constexpr int kUnroll = 8;           // loads in flight per thread in the selection passes
+constexpr int kUnrollUpdate = 4;     // in the element pass (4 streams each)
 
 struct Meta {
   void* x[kMaxTensors];
@@ -59,7 +61,12 @@ struct State {
   int bad;            // a gradient is inf/nan
   int collapse;       // step op: T >= n makes every element relevant
   double r;           // ||g||_R / ||x||_M
+  unsigned int done;  // blocks of the current pass that have finished (last-block pattern)
 };
+
+// One device buffer per call: the State, the global histogram, the norm partials.
+constexpr size_t kHistOffset = (sizeof(State) + 15) / 16 * 16;
+constexpr size_t kPartialsOffset = kHistOffset + kBins * sizeof(unsigned long long);
 
 struct Host {
   void* x;
@@ -112,14 +119,21 @@ std::vector<Meta> make_batches(const std::vector<Host>& ts) {
   return out;
 }
 
-__global__ void init_state(State* st, long long k, int collapse) {
-  st->prefix = 0;
-  st->pmask = 0;
-  st->k = k;
-  st->n = 0;
-  st->bad = 0;
-  st->collapse = collapse;
-  st->r = 0.0;
+// Sets up the State and clears the histogram (one block).
+__global__ void init_state(State* st, unsigned long long* ghist, long long k, int collapse) {
+  if (threadIdx.x == 0) {
+    st->prefix = 0;
+    st->pmask = 0;
+    st->k = k;
+    st->n = 0;
+    st->bad = 0;
+    st->collapse = collapse;
+    st->r = 0.0;
+    st->done = 0;
+  }
+  for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+    ghist[j] = 0;
+  }
 }
 
 // Whether tensor t of a launch takes part in the selection (hyper == nullptr:
@@ -128,11 +142,97 @@ __device__ __forceinline__ bool pruned(const Meta& m, const double* hyper, int t
   return hyper == nullptr || hyper[m.row[t] * kHyperCols + kPrune] != 0.0;
 }
 
+// Last-block pattern: after a block's global writes, true in exactly one block
+// (the last of all `total` blocks of the pass, over all its launches) once
+// every other block's writes are visible.
+__device__ __forceinline__ bool last_block(State* st, unsigned int total) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(&st->done, 1u) == total - 1u;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+  }
+  return last;
+}
+
+// Run by every thread of the last block of a pass: picks the digit of the
+// k-th largest key from the global histogram (read past L1), resets the
+// histogram and the block counter for the next pass. After the first pass,
+// k >= n means T >= n: every element is relevant (k = 0). The flag (step op)
+// records a non-finite gradient once the first pass has seen every element.
+__device__ void select_digit(State* st, unsigned long long* ghist, int shift, int bits, bool first, float* flag) {
+  __shared__ unsigned long long part[kThreads];
+  __shared__ long long k_s;
+  constexpr int kPer = kBins / kThreads;  // bins per thread, highest digits first
+  volatile State* vs = st;
+  if (threadIdx.x == 0) {
+    long long k = vs->k;
+    if (first && vs->collapse && k >= static_cast<long long>(vs->n)) {
+      k = 0;
+      vs->k = 0;
+    }
+    if (first && flag != nullptr && vs->bad) {
+      *flag = 1.0f;
+    }
+    k_s = k;
+  }
+  __syncthreads();
+  const long long k = k_s;
+  const int nb = 1 << bits;
+  const int top = nb - 1 - static_cast<int>(threadIdx.x) * kPer;  // this thread's highest bin
+  unsigned long long mine = 0;
+  if (k > 0) {
+    for (int q = 0; q < kPer; ++q) {
+      const int j = top - q;
+      mine += j >= 0 ? __ldcg(&ghist[j]) : 0ull;
+    }
+  }
+  part[threadIdx.x] = mine;
+  __syncthreads();
+  // inclusive scan over threads (thread 0 holds the highest bins)
+  for (int off = 1; off < kThreads; off <<= 1) {
+    const unsigned long long v = threadIdx.x >= static_cast<unsigned>(off) ? part[threadIdx.x - off] : 0ull;
+    __syncthreads();
+    part[threadIdx.x] += v;
+    __syncthreads();
+  }
+  const unsigned long long incl = part[threadIdx.x];
+  const unsigned long long excl = incl - mine;
+  if (k > 0 && excl < static_cast<unsigned long long>(k) && incl >= static_cast<unsigned long long>(k)) {
+    // the k-th largest key lies in this thread's bins: exactly one thread
+    long long above = static_cast<long long>(excl);
+    int j = top;
+    for (int q = 0; q < kPer - 1 && j > 0; ++q, --j) {
+      const long long c = static_cast<long long>(__ldcg(&ghist[j]));
+      if (above + c >= k) {
+        break;
+      }
+      above += c;
+    }
+    vs->k = k - above;
+    vs->prefix = vs->prefix | (static_cast<unsigned long long>(j) << shift);
+    vs->pmask = vs->pmask | (static_cast<unsigned long long>(nb - 1) << shift);
+  }
+  __syncthreads();  // the selecting thread has read its bins before they are cleared
+  for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
+    ghist[j] = 0;
+  }
+  if (threadIdx.x == 0) {
+    vs->done = 0;
+  }
+  __threadfence();
+}
+
 // One radix pass: histogram of digit [shift, shift+bits) over the pruned keys
-// that carry the current prefix. The first pass also flags inf/nan anywhere.
+// that carry the current prefix; the last block picks the digit. The first
+// pass also counts n and flags inf/nan anywhere (pruned or not).
 template <typename scalar_t>
-__global__ void hist_kernel(Meta m, const double* hyper, bool use_x, State* st, unsigned long long* ghist,
-    int shift, int bits, bool first) {
+__global__ void __launch_bounds__(kThreads) hist_kernel(Meta m, const double* hyper, bool use_x, State* st,
+    unsigned long long* ghist, int shift, int bits, bool first, unsigned int total_blocks, float* flag) {
   using K = typename KeyOf<scalar_t>::type;
   __shared__ unsigned int h[kBins];
   for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
@@ -155,12 +255,22 @@ __global__ void hist_kernel(Meta m, const double* hyper, bool use_x, State* st, 
   }
   const K dmask = static_cast<K>((1u << bits) - 1u);
   bool bad = false;
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const scalar_t gi = x != nullptr ? g[i] + wd * x[i] : g[i];
-    const K key = magnitude_key<scalar_t>(gi);
-    bad |= key >= KeyOf<scalar_t>::kInf;
-    if (counting && (key & pmask) == prefix) {
-      atomicAdd(&h[static_cast<int>((key >> shift) & dmask)], 1u);
+  if (first || counting) {  // later passes read nothing where nothing is counted
+    for (int64_t base = begin + threadIdx.x; base < end; base += static_cast<int64_t>(kUnroll) * kThreads) {
+      scalar_t gv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+        gv[u] = i < end ? (x != nullptr ? g[i] + wd * x[i] : g[i]) : scalar_t(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const K key = magnitude_key<scalar_t>(gv[u]);
+        bad |= key >= KeyOf<scalar_t>::kInf;
+        if (counting && base + static_cast<int64_t>(u) * kThreads < end && (key & pmask) == prefix) {
+          atomicAdd(&h[static_cast<int>((key >> shift) & dmask)], 1u);
+        }
+      }
     }
   }
   if (first && bad) {
@@ -174,30 +284,8 @@ __global__ void hist_kernel(Meta m, const double* hyper, bool use_x, State* st, 
       }
     }
   }
-}
-
-// Picks the digit of the k-th largest key and clears the histogram. After
-// the first pass, k >= n means T >= n: every element is relevant (k = 0).
-__global__ void select_kernel(State* st, unsigned long long* ghist, int shift, int bits, bool first) {
-  if (threadIdx.x == 0 && first && st->collapse && st->k >= static_cast<long long>(st->n)) {
-    st->k = 0;
-  }
-  if (threadIdx.x == 0 && st->k > 0) {
-    long long above = 0;
-    int j = (1 << bits) - 1;
-    for (; j > 0; --j) {
-      if (above + static_cast<long long>(ghist[j]) >= st->k) {
-        break;
-      }
-      above += static_cast<long long>(ghist[j]);
-    }
-    st->k -= above;
-    st->prefix |= static_cast<unsigned long long>(j) << shift;
-    st->pmask |= static_cast<unsigned long long>((1u << bits) - 1u) << shift;
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
-    ghist[j] = 0;
+  if (last_block(st, total_blocks)) {
+    select_digit(st, ghist, shift, bits, first, flag);
   }
 }
 
@@ -207,8 +295,11 @@ __device__ scalar_t tau_of(const State* st) {
   return st->pmask == 0 ? scalar_t(0) : value_of_key<scalar_t>(static_cast<typename KeyOf<scalar_t>::type>(st->prefix));
 }
 
+// Per-block partial sums of ||g||_R^2 and ||x||_M^2 (double); the last block
+// adds the partials in a fixed order (deterministic) and sets r.
 template <typename scalar_t>
-__global__ void norms_kernel(Meta m, const double* hyper, const State* st, double* partials) {
+__global__ void __launch_bounds__(kThreads) norms_kernel(Meta m, const double* hyper, State* st, double* partials,
+    unsigned int total_blocks) {
   __shared__ double sg[kThreads];
   __shared__ double sx[kThreads];
   const int t = m.tensor_of[blockIdx.x];
@@ -222,13 +313,24 @@ __global__ void norms_kernel(Meta m, const double* hyper, const State* st, doubl
     const scalar_t wd = static_cast<scalar_t>(h[kWeightDecay]);
     const scalar_t sgn = h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
     const scalar_t tau = tau_of<scalar_t>(st);
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const scalar_t xi = x[i];
-      const scalar_t gi = effective_grad<scalar_t>(xi, g[i], wd, sgn);
-      const bool rel = (gi < scalar_t(0) ? -gi : gi) >= tau;
-      const double gd = gi, xd = xi;
-      gr += rel ? gd * gd : 0.0;
-      xm += (!rel && xi * gi > scalar_t(0)) ? xd * xd : 0.0;
+    for (int64_t base = begin + threadIdx.x; base < end; base += static_cast<int64_t>(kUnrollUpdate) * kThreads) {
+      scalar_t xv[kUnrollUpdate], gv[kUnrollUpdate];
+#pragma unroll
+      for (int u = 0; u < kUnrollUpdate; ++u) {
+        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+        xv[u] = i < end ? x[i] : scalar_t(0);
+        gv[u] = i < end ? g[i] : scalar_t(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnrollUpdate; ++u) {
+        // padding lanes (x = g = 0) add 0 to both sums
+        const scalar_t xi = xv[u];
+        const scalar_t gi = effective_grad<scalar_t>(xi, gv[u], wd, sgn);
+        const bool rel = (gi < scalar_t(0) ? -gi : gi) >= tau;
+        const double gd = gi, xd = xi;
+        gr += rel ? gd * gd : 0.0;
+        xm += (!rel && xi * gi > scalar_t(0)) ? xd * xd : 0.0;
+      }
     }
   }
   sg[threadIdx.x] = gr;
@@ -245,16 +347,14 @@ __global__ void norms_kernel(Meta m, const double* hyper, const State* st, doubl
     partials[2 * (m.block_offset + blockIdx.x)] = sg[0];
     partials[2 * (m.block_offset + blockIdx.x) + 1] = sx[0];
   }
-}
-
-// One block: sums the per-block partials in a fixed order and sets r.
-__global__ void finalize_kernel(State* st, const double* partials, int nblocks) {
-  __shared__ double sg[kThreads];
-  __shared__ double sx[kThreads];
-  double gr = 0.0, xm = 0.0;
-  for (int b = threadIdx.x; b < nblocks; b += blockDim.x) {
-    gr += partials[2 * b];
-    xm += partials[2 * b + 1];
+  if (!last_block(st, total_blocks)) {
+    return;
+  }
+  gr = 0.0;
+  xm = 0.0;
+  for (unsigned int b = threadIdx.x; b < total_blocks; b += blockDim.x) {
+    gr += __ldcg(&partials[2 * b]);
+    xm += __ldcg(&partials[2 * b + 1]);
   }
   sg[threadIdx.x] = gr;
   sx[threadIdx.x] = xm;
@@ -268,18 +368,13 @@ __global__ void finalize_kernel(State* st, const double* partials, int nblocks) 
   }
   if (threadIdx.x == 0) {
     st->r = ratio(sg[0], sx[0]);
-  }
-}
-
-// Records a non-finite gradient of this scope in the caller's flag.
-__global__ void flag_kernel(const State* st, float* flag) {
-  if (st->bad) {
-    *flag = 1.0f;
+    st->done = 0;
   }
 }
 
 template <typename scalar_t>
-__global__ void update_kernel(Meta m, const double* hyper, const State* st, const float* flag, int version) {
+__global__ void __launch_bounds__(kThreads) update_kernel(Meta m, const double* hyper, const State* st,
+    const float* flag, int version) {
   if (st->bad || (flag != nullptr && *flag != 0.0f)) {
     return;  // non-finite gradient (this scope or an earlier one of the step): skip
   }
@@ -298,13 +393,29 @@ __global__ void update_kernel(Meta m, const double* hyper, const State* st, cons
   const scalar_t nlr = static_cast<scalar_t>(-h[kLrK]);
   const scalar_t a_scale = static_cast<scalar_t>(h[kLrK1] * a_factor(version, st->r));
   const scalar_t eps = static_cast<scalar_t>(h[kEps]);
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    scalar_t xi = x[i], soi = so[i], sdi = sd[i];
-    const scalar_t gi = effective_grad<scalar_t>(xi, g[i], wd, sgn);
-    update_one<scalar_t>(xi, soi, sdi, gi, tau_eff, nlr, lr, a_scale, eps, version);
-    x[i] = xi;
-    so[i] = soi;
-    sd[i] = sdi;
+  for (int64_t base = begin + threadIdx.x; base < end; base += static_cast<int64_t>(kUnrollUpdate) * kThreads) {
+    scalar_t xv[kUnrollUpdate], sov[kUnrollUpdate], sdv[kUnrollUpdate], gv[kUnrollUpdate];
+#pragma unroll
+    for (int u = 0; u < kUnrollUpdate; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+      if (i < end) {
+        xv[u] = x[i];
+        sov[u] = so[i];
+        sdv[u] = sd[i];
+        gv[u] = g[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnrollUpdate; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+      if (i < end) {
+        const scalar_t gi = effective_grad<scalar_t>(xv[u], gv[u], wd, sgn);
+        update_one<scalar_t>(xv[u], sov[u], sdv[u], gi, tau_eff, nlr, lr, a_scale, eps, version);
+        x[i] = xv[u];
+        so[i] = sov[u];
+        sd[i] = sdv[u];
+      }
+    }
   }
 }
 
@@ -316,10 +427,19 @@ __global__ void write_tau_kernel(const State* st, float* out_f, double* out_d) {
   }
 }
 
+unsigned int count_blocks(const std::vector<Meta>& batches) {
+  unsigned int n = 0;
+  for (const auto& m : batches) {
+    n += static_cast<unsigned int>(m.nchunks);
+  }
+  return n;
+}
+
 // Runs the radix passes; leaves prefix (tau) and the bad flag in *st.
 template <typename scalar_t>
 void select(const std::vector<Meta>& batches, const double* hyper, bool wd, State* st, unsigned long long* ghist,
-    cudaStream_t stream) {
+    float* flag, cudaStream_t stream) {
+  const unsigned int total = count_blocks(batches);
   int bits_left = KeyOf<scalar_t>::kBits;
   bool first = true;
   while (bits_left > 0) {
@@ -327,14 +447,17 @@ void select(const std::vector<Meta>& batches, const double* hyper, bool wd, Stat
     const int shift = bits_left - bits;
     for (const Meta& m : batches) {
       // without weight decay the key needs g only
-      hist_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyper, wd, st, ghist, shift, bits, first);
+      hist_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyper, wd, st, ghist, shift, bits, first, total,
+                                                                 flag);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    select_kernel<<<1, kThreads, 0, stream>>>(st, ghist, shift, bits, first);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     bits_left = shift;
     first = false;
   }
+}
+
+at::Tensor make_buffer(const at::Tensor& like, int64_t nblocks) {
+  return at::empty({static_cast<int64_t>(kPartialsOffset) + 16 * nblocks}, like.options().dtype(at::kByte));
 }
 
 at::Tensor topk_threshold_cuda(at::TensorList values, int64_t k) {
@@ -358,15 +481,15 @@ at::Tensor topk_threshold_cuda(at::TensorList values, int64_t k) {
   }
   TORCH_CHECK_VALUE(k >= 1 && k <= total, "topk_threshold: k must be in [1, n=", total, "], got ", k);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  at::Tensor st_buf = at::empty({static_cast<int64_t>(sizeof(State))}, v0.options().dtype(at::kByte));
-  at::Tensor ghist = at::zeros({kBins}, v0.options().dtype(at::kLong));
-  State* st = reinterpret_cast<State*>(st_buf.data_ptr());
-  init_state<<<1, 1, 0, stream>>>(st, k, 0);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto batches = make_batches(hs);
+  at::Tensor buf = make_buffer(v0, 0);
+  State* st = reinterpret_cast<State*>(buf.data_ptr());
+  auto* ghist = reinterpret_cast<unsigned long long*>(static_cast<char*>(buf.data_ptr()) + kHistOffset);
+  init_state<<<1, kThreads, 0, stream>>>(st, ghist, k, 0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor out = at::empty({}, v0.options());
   AT_DISPATCH_FLOATING_TYPES(v0.scalar_type(), "topk_threshold", [&] {
-    select<scalar_t>(batches, nullptr, false, st, reinterpret_cast<unsigned long long*>(ghist.data_ptr()), stream);
+    select<scalar_t>(batches, nullptr, false, st, ghist, nullptr, stream);
   });
   if (v0.scalar_type() == at::kFloat) {
     write_tau_kernel<<<1, 1, 0, stream>>>(st, out.data_ptr<float>(), nullptr);
@@ -434,28 +557,22 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   TORCH_CHECK_VALUE(relevant >= 0, "prunadag_step_: relevant (T) must be >= 0, got ", relevant);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto batches = make_batches(hs);
-  int nblocks = 0;
-  for (const auto& m : batches) {
-    nblocks += m.nchunks;
-  }
-  at::Tensor st_buf = at::empty({static_cast<int64_t>(sizeof(State))}, p0.options().dtype(at::kByte));
-  at::Tensor ghist = at::zeros({kBins}, p0.options().dtype(at::kLong));
-  at::Tensor partials = at::empty({2 * static_cast<int64_t>(nblocks)}, p0.options().dtype(at::kDouble));
-  State* st = reinterpret_cast<State*>(st_buf.data_ptr());
-  init_state<<<1, 1, 0, stream>>>(st, relevant, 1);
+  const unsigned int nblocks = count_blocks(batches);
+  at::Tensor buf = make_buffer(p0, nblocks);
+  State* st = reinterpret_cast<State*>(buf.data_ptr());
+  char* base = static_cast<char*>(buf.data_ptr());
+  auto* ghist = reinterpret_cast<unsigned long long*>(base + kHistOffset);
+  auto* partials = reinterpret_cast<double*>(base + kPartialsOffset);
+  init_state<<<1, kThreads, 0, stream>>>(st, ghist, relevant, 1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const double* hyp = h.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_step_", [&] {
-    select<scalar_t>(batches, hyp, true, st, reinterpret_cast<unsigned long long*>(ghist.data_ptr()), stream);
-    for (const Meta& m : batches) {
-      norms_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, partials.data_ptr<double>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    finalize_kernel<<<1, kThreads, 0, stream>>>(st, partials.data_ptr<double>(), nblocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (flag != nullptr) {
-      flag_kernel<<<1, 1, 0, stream>>>(st, flag);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    select<scalar_t>(batches, hyp, true, st, ghist, flag, stream);
+    if (uses_ratio(static_cast<int>(version))) {  // versions 2 and 4 need no norms
+      for (const Meta& m : batches) {
+        norms_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, partials, nblocks);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     }
     for (const Meta& m : batches) {
       update_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, flag, static_cast<int>(version));

@@ -212,12 +212,20 @@ def _hyper_tensor(s: _Scope) -> Tensor:
             lr_k = h.lr / (1.0 + k * h.lr_decay)
             rows.append([lr_k, lr_k / (k + 1.0), h.weight_decay, h.eps, float(h.maximize), float(h.prune)])
         return torch.tensor(rows, dtype=torch.float64)
-    k = torch.stack([st.reshape(()).to(device=dev, dtype=torch.float64) for st in s.steps])
+    if all(st.dim() == 0 and st.device == dev for st in s.steps):
+        k = torch.stack(s.steps).to(torch.float64)  # one op, not one per tensor
+    else:
+        k = torch.stack([st.reshape(()).to(device=dev, dtype=torch.float64) for st in s.steps])
     consts = torch.tensor(
         [[h.lr, h.lr_decay, h.weight_decay, h.eps, float(h.maximize), float(h.prune)] for h in s.hypers],
         dtype=torch.float64,
-        device=dev,
     )
+    if dev.type == "cuda":
+        # a copy from pageable host memory would synchronise with the device
+        # (the host would wait for the previous step's kernels): pinned + async
+        consts = consts.pin_memory().to(dev, non_blocking=True)
+    else:
+        consts = consts.to(dev)
     lr_k = consts[:, 0] / (1.0 + k * consts[:, 1])
     return torch.stack([lr_k, lr_k / (k + 1.0), consts[:, 2], consts[:, 3], consts[:, 4], consts[:, 5]], dim=1)
 
@@ -264,7 +272,10 @@ def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tenso
         steps = [st for s in scopes for st in s.steps]
         on_flag_device = [st for st in steps if st.device == flag.device]
         if on_flag_device:  # one foreach launch, the increment computed once
-            torch._foreach_add_(on_flag_device, 1.0 - flag.reshape(()))
+            # a list of tensors, not one tensor as the scalar: the latter reads it
+            # on the host (a synchronisation, seen in torch 2.11 on CUDA)
+            inc = 1.0 - flag.reshape(())
+            torch._foreach_add_(on_flag_device, [inc] * len(on_flag_device))
         host = [st for st in steps if st.device != flag.device]
         if host:  # host counters for device params: advancing them conditionally would sync
             torch._foreach_add_(host, 1)
@@ -324,7 +335,7 @@ def prunadag(
     s.params, s.grads, s.opt_sums, s.dec_sums, s.steps = list(params), list(grads), list(opt_sums), list(dec_sums), list(state_steps)
     s.hypers = [TensorHyper(lr=float(lr), lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize) for _ in params]
     s.relevant, s.version = relevant, version
-    _run_scopes([s], _choose_impl(s.params + s.grads + s.opt_sums + s.dec_sums, foreach, fused), found_nonfinite)
+    _run_scopes([s], _choose_impl(s.params + s.grads, foreach, fused), found_nonfinite)
 
 
 def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
@@ -529,7 +540,9 @@ class PrunAdag(torch.optim.Optimizer):
         if not scopes:
             return loss
         group0 = self.param_groups[0]
-        tensors = [t for s in scopes for t in s.params + s.grads + s.opt_sums + s.dec_sums]
+        # the accumulators follow their params (state is created like them and
+        # load_state_dict casts it); the kernels check them again
+        tensors = [t for s in scopes for t in s.params + s.grads]
         impl = _choose_impl(tensors, group0["foreach"], group0["fused"])
         flag = None
         if impl == "fused" and tensors[0].is_cuda:

@@ -95,8 +95,12 @@ PRUNOPT_HD double ratio(double g_r2, double x_m2) {
 
 // Factor of a_i beyond lr_k |x_i| / (k+1): r for versions 1, 3 and
 // relevant_only, 1 for versions 2 and 4.
+PRUNOPT_HD bool uses_ratio(int version) {
+  return version != 2 && version != 4;
+}
+
 PRUNOPT_HD double a_factor(int version, double r) {
-  return (version == 2 || version == 4) ? 1.0 : r;
+  return uses_ratio(version) ? r : 1.0;
 }
 
 }  // namespace prunadag
