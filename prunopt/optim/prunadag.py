@@ -101,18 +101,22 @@ class _Scope:
         return sum(p.numel() for p, h in zip(self.params, self.hypers) if h.prune)
 
     def target(self) -> int:
-        return resolve_relevant(self.relevant, self.n()) if self.n() > 0 else 0
+        n = self.n()
+        return resolve_relevant(self.relevant, n) if n > 0 else 0
 
 
 def _check_grads(scopes: List[_Scope]) -> None:
+    strided = torch.strided
     for s in scopes:
-        for i, (p, g) in enumerate(zip(s.params, s.grads)):
-            if g.is_sparse or g.layout != torch.strided:
+        for p, g in zip(s.params, s.grads):
+            # one cheap test per tensor (attributes only); the messages below
+            if g.layout is strided and not g.dtype.is_complex and not p.dtype.is_complex and g.shape == p.shape:
+                continue
+            if g.is_sparse or g.layout != strided:
                 raise TypeError("PrunAdag does not support sparse gradients")
             if torch.is_complex(p) or torch.is_complex(g):
                 raise TypeError("PrunAdag does not support complex parameters or gradients")
-            if g.shape != p.shape:
-                raise ValueError(f"grad of shape {tuple(g.shape)} does not match its parameter {tuple(p.shape)}")
+            raise ValueError(f"grad of shape {tuple(g.shape)} does not match its parameter {tuple(p.shape)}")
 
 
 def _check_finite(scopes: List[_Scope]) -> None:
@@ -234,7 +238,7 @@ def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None) ->
     if not s.params:
         return
     torch.ops.prunopt.prunadag_step_(
-        s.params, s.opt_sums, s.dec_sums, [g.contiguous() for g in s.grads], _hyper_tensor(s), T,
+        s.params, s.opt_sums, s.dec_sums, s.grads, _hyper_tensor(s), T,  # the kernels make grads contiguous
         _version_code(s.version), found_nonfinite,
     )
 
@@ -496,30 +500,35 @@ class PrunAdag(torch.optim.Optimizer):
         scope_kind = self.param_groups[0]["scope"] if self.param_groups else "global"
         out: List[_Scope] = []
         shared: Dict[str, _Scope] = {}
+        state_of = self.state
         for gi, group in enumerate(self.param_groups):
+            # per group: the scope key and the hyper-parameters (shared by its tensors)
+            lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
+            hyper = TensorHyper(lr=float(lr), lr_decay=group["lr_decay"], weight_decay=group["weight_decay"],
+                                eps=group["eps"], maximize=group["maximize"], prune=group["prune"])
+            if not group["prune"]:
+                group_key = "adagrad"
+            else:
+                group_key = "g" if scope_kind == "global" else (f"group{gi}" if scope_kind == "group" else None)
             for p in group["params"]:
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                state = self.state[p]
+                state = state_of[p]
                 if len(state) == 0:
                     self._init_state(p, group)
-                if group["prune"]:
-                    key = "g" if scope_kind == "global" else (f"group{gi}" if scope_kind == "group" else f"t{id(p)}")
-                else:
-                    key = "adagrad"
-                if key not in shared:
-                    shared[key] = _Scope()
-                    shared[key].relevant, shared[key].version = group["relevant"], group["version"]
-                    out.append(shared[key])
-                s = shared[key]
+                key = group_key if group_key is not None else f"t{id(p)}"
+                s = shared.get(key)
+                if s is None:
+                    s = shared[key] = _Scope()
+                    s.relevant, s.version = group["relevant"], group["version"]
+                    out.append(s)
                 s.params.append(p)
-                s.grads.append(p.grad)
+                s.grads.append(g)
                 s.opt_sums.append(state["sum"])
                 s.dec_sums.append(state["decrease_sum"])
                 s.steps.append(state["step"])
-                lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
-                s.hypers.append(TensorHyper(lr=float(lr), lr_decay=group["lr_decay"], weight_decay=group["weight_decay"],
-                                            eps=group["eps"], maximize=group["maximize"], prune=group["prune"]))
+                s.hypers.append(hyper)
         # With global scope the Adagrad-only tensors ride along in the single
         # fused call (they are always optimisable and excluded from n, T, r).
         if scope_kind == "global" and "adagrad" in shared and "g" in shared:
