@@ -2,7 +2,7 @@
 
 * prunAdag: fused PrunAdag step (version 3, relevant=0.1, global scope) against
   ``torch.optim.Adagrad(foreach=True)`` (torch has no fused Adagrad on CUDA) and
-  the foreach PrunAdag path, one
+  the foreach and single-tensor PrunAdag paths, one
   tensor of 10M and 50 model-like tensors totalling 10M, float32; the
   threshold op against ``torch.kthvalue`` on the concatenation.
 * filter-basis training: forward + backward of ``FBConv2d`` against
@@ -44,6 +44,10 @@ def _prunadag_rows():
         ps_f, ps_e = clone(), clone()
         for a, b, p in zip(ps_f, ps_e, base):
             a.grad, b.grad = p.grad.clone(), p.grad.clone()
+        ps_s = clone()
+        for a, p in zip(ps_s, base):
+            a.grad = p.grad.clone()
+        single = PrunAdag(ps_s, lr=0.1, relevant=0.1, foreach=False, fused=False)
         fused = PrunAdag(ps_f, lr=0.1, relevant=0.1, fused=True)
         fe = PrunAdag(ps_e, lr=0.1, relevant=0.1, foreach=True)
         fused.step()
@@ -64,6 +68,7 @@ def _prunadag_rows():
             "Adagrad(foreach=True)": median_time(adagrad.step, 1.0, device="cuda"),
             "PrunAdag fused": median_time(fused.step, 1.0, device="cuda"),
             "PrunAdag foreach": median_time(fe.step, 1.0, device="cuda"),
+            "PrunAdag single-tensor": median_time(single.step, 1.0, device="cuda"),
             "topk_threshold": median_time(lambda: torch.ops.prunopt.topk_threshold(grads, k), 1.0, device="cuda"),
             "torch.kthvalue(cat)": median_time(
                 lambda: torch.kthvalue(torch.cat([x.abs() for x in grads]), flat.numel() - k + 1), 1.0, device="cuda"),

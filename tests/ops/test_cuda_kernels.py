@@ -166,3 +166,22 @@ def test_fbconv2d_layer_cuda_gradients_and_autocast():
     torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
     y.float().sum().backward()
     assert gl.coefficients.grad.dtype == torch.float32 and torch.isfinite(gl.coefficients.grad).all()
+
+
+@pytest.mark.parametrize("count", [1, 50])
+def test_optimizer_cuda_step_does_not_synchronise(count):
+    # a synchronising call inside step() would make the host wait for the device
+    # every step (seen before: a pageable host-to-device copy, and
+    # _foreach_add_ with a one-tensor scalar reading it on the host)
+    ps = [torch.nn.Parameter(torch.randn(100 + i, device="cuda")) for i in range(count)]
+    opt = prunopt.optim.PrunAdag(ps, lr=0.1, relevant=0.1, fused=True)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state initialised outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert opt.state[ps[0]]["step"].item() == 2.0
