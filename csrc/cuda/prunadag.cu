@@ -4,16 +4,18 @@
 // Layout follows apex's multi_tensor_apply: the tensor list is cut into fixed
 // chunks; a kernel argument struct (Meta) carries up to kMaxTensors pointers
 // and kMaxChunks chunk descriptors, one block per chunk; longer lists take
-// several launches. Selection is a radix select on bits(|g|), 8 bits per pass
-// (float: 4 passes, double: 8): each pass builds a shared-memory histogram
-// per block, adds it to a global one with integer atomics (order-independent,
-// so deterministic), and a single-thread kernel picks the digit. Norms use
-// per-block partials and one single-block finalize kernel (fixed order).
-// A non-finite gradient sets a device flag; the element kernel then writes
-// nothing (the scope's step is skipped) and, when the caller passes
-// found_nonfinite, the flag is copied there (and a set flag on entry skips the
-// scope too), so the optimizer can skip a multi-scope step as a whole and
-// report it without a host synchronisation (see docs/prunadag.md).
+// several launches. Selection is a radix select on bits(|g|), 11 bits per pass
+// (float: 3 passes, double: 6): each pass builds a shared-memory histogram
+// per block and adds it to a global one with integer atomics (order-independent,
+// so deterministic); the last block of the pass (a ticket counter, over all its
+// launches) picks the digit with a block-wide scan and clears the histogram.
+// Norms (versions 1, 3, relevant_only) use per-block partials that the last
+// norms block sums in a fixed order. A non-finite gradient sets a device flag;
+// the element kernel then writes nothing (the scope's step is skipped) and,
+// when the caller passes found_nonfinite, the flag is set there after the first
+// pass (and a set flag on entry skips the scope too), so the optimizer can skip
+// a multi-scope step as a whole and report it without a host synchronisation
+// (see docs/prunadag.md).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
