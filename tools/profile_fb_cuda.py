@@ -8,41 +8,15 @@ CPU time (torch.profiler). A diagnostic, not a benchmark (``bench/bench_gpu.py``
 """
 from __future__ import annotations
 
-import time
-import warnings
-
 import torch
+from cuda_step_timing import measure  # tools/, the script's own folder
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from prunopt.nn import FBConv2d, FilterBasis
 
 
-def _report(name, step, reps=50):
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        step()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / reps
-    torch.cuda._sleep(int(5e8))
-    t0 = time.perf_counter()
-    for _ in range(10):
-        step()
-    host = (time.perf_counter() - t0) / 10
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        step()
-    torch.cuda.set_sync_debug_mode(0)
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
+def _report(name, step):
+    wall, host, syncs, prof = measure(step)
     print(f"\n== {name}: wall {wall * 1e3:.3f} ms/step, host issue {host * 1e3:.3f} ms/step, syncs {syncs}")
     launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                      "cudaLaunchKernelExC")) / 10

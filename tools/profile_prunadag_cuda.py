@@ -11,10 +11,8 @@ the benchmark is ``bench/bench_gpu.py``.
 """
 from __future__ import annotations
 
-import time
-
 import torch
-from torch.profiler import ProfilerActivity, profile
+from cuda_step_timing import measure  # tools/, the script's own folder
 
 from bench.bench_prunadag import _sizes
 from prunopt.optim import PrunAdag
@@ -28,26 +26,8 @@ def _params(sizes):
     return ps
 
 
-def _report(name, step, reps=50):
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        step()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / reps
-    # host time to issue a step: the device is kept busy by a long sleep kernel first
-    torch.cuda._sleep(int(2e9))
-    t0 = time.perf_counter()
-    for _ in range(10):
-        step()
-    host = (time.perf_counter() - t0) / 10
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
+def _report(name, step):
+    wall, host, syncs, prof = measure(step)
     dev_total = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 10
     print(f"\n== {name}: wall {wall * 1e3:.3f} ms/step, host issue {host * 1e3:.3f} ms/step, "
           f"device kernels {dev_total / 1e3:.3f} ms/step")
@@ -60,14 +40,6 @@ def _report(name, step, reps=50):
     print("  host side (self CPU time per step, profiler overhead included):")
     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]:
         print(f"  {e.self_cpu_time_total / 10 / 1e3:8.4f} ms  x{e.count / 10:<5.1f} {e.key[:90]}")
-    # an operation that synchronises with the device inside the step
-    torch.cuda.set_sync_debug_mode("warn")
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        step()
-    torch.cuda.set_sync_debug_mode(0)
-    syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught if "synchroniz" in str(w.message)]
     print(f"  synchronising calls in one step: {len(syncs)}", *syncs[:3], sep="\n    ")
 
 
