@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from prunopt._extension import extension_available
-from prunopt.reference.prunadag import VERSIONS, TensorHyper, effective_grad, prunadag_step_reference, resolve_relevant
+from prunopt.reference.prunadag import (VERSIONS, TensorHyper, effective_grad, prunadag_step_reference, resolve_relevant,
+                                        step_lr)
 
 __all__ = ["PrunAdag", "prunadag"]
 
@@ -212,8 +213,7 @@ def _hyper_tensor(s: _Scope) -> Tensor:
               else [float(st.item()) for st in s.steps])
         rows = []
         for h, k in zip(s.hypers, ks):
-            k = float(k)
-            lr_k = h.lr / (1.0 + k * h.lr_decay)
+            lr_k = step_lr(h.lr, h.lr_decay, k)
             rows.append([lr_k, lr_k / (k + 1.0), h.weight_decay, h.eps, float(h.maximize), float(h.prune)])
         return torch.tensor(rows, dtype=torch.float64)
     if all(st.dim() == 0 and st.device == dev for st in s.steps):
@@ -230,7 +230,7 @@ def _hyper_tensor(s: _Scope) -> Tensor:
         consts = consts.pin_memory().to(dev, non_blocking=True)
     else:
         consts = consts.to(dev)
-    lr_k = consts[:, 0] / (1.0 + k * consts[:, 1])
+    lr_k = step_lr(consts[:, 0], consts[:, 1], k)
     return torch.stack([lr_k, lr_k / (k + 1.0), consts[:, 2], consts[:, 3], consts[:, 4], consts[:, 5]], dim=1)
 
 

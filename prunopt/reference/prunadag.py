@@ -24,6 +24,7 @@ __all__ = [
     "TensorHyper",
     "VERSIONS",
     "resolve_relevant",
+    "step_lr",
     "topk_threshold_reference",
     "effective_grad",
     "prunadag_step_reference",
@@ -33,6 +34,12 @@ __all__ = [
 #: Accepted values of ``version``: Table 1's four rules and the paper's
 #: "Relevant only" ablation (section 3.1.1, ``O = R``).
 VERSIONS = (1, 2, 3, 4, "relevant_only")
+
+
+def step_lr(lr, lr_decay, k):
+    """``lr_k = lr / (1 + k * lr_decay)`` (SPEC.md section 2, step 1), for floats or
+    tensors alike."""
+    return lr / (1.0 + k * lr_decay)
 
 
 @dataclass
@@ -51,7 +58,7 @@ class TensorHyper:
     @property
     def lr_k(self) -> float:
         """``lr_k = lr / (1 + k * lr_decay)`` (SPEC.md section 2, step 1)."""
-        return self.lr / (1.0 + self.k * self.lr_decay)
+        return step_lr(self.lr, self.lr_decay, self.k)
 
 
 def resolve_relevant(relevant, n: int, name: str = "relevant") -> int:
