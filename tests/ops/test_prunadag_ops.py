@@ -301,6 +301,37 @@ def test_step_large_matches_reference(kind, dtype, version, wd, maximize, frac, 
 
 
 @needs_ext
+@pytest.mark.parametrize("mode", SELECT_MODES)
+@pytest.mark.parametrize("scale", [1e-20, 1e-25])
+@pytest.mark.parametrize("version", [1, 3])
+def test_step_large_tiny_parameters_ratio(version, scale, mode, monkeypatch):
+    """prunAdag drives the decreased weights towards 0. When the weights of M
+    are tiny, float32 squares are denormal (|x| ~ 1e-20) or 0 (~1e-25), yet
+    ||x||_M and so r = ||g||_R / ||x||_M must be the reference's (float64):
+    with version 1 the acceptance test a <= |s| depends on r alone (a kernel
+    that summed the squares in float took r from the candidates only and
+    accepted the wrong elements, errors of ~0.1)."""
+    monkeypatch.setenv("PRUNOPT_PRUNADAG_SELECT", mode)
+    g = torch.Generator().manual_seed(5)
+    n = LARGE
+    x = torch.randn(n, generator=g) * scale
+    x[: n // 3] = torch.randn(n // 3, generator=g) * 1e-3  # and a normal third in front
+    if scale == 1e-25:
+        x[: n // 3] *= 1e-22  # all tiny
+    gr = torch.randn(n, generator=g)
+    so = torch.rand(n, generator=g) + 0.01
+    sd = torch.rand(n, generator=g) + 0.01
+    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False)]
+    T = n // 10
+    ref = [x.clone(), so.clone(), sd.clone()]
+    prunadag_step_reference([ref[0]], [gr], [ref[1]], [ref[2]], hypers, T, version)
+    out = [x.clone(), so.clone(), sd.clone()]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [gr], _hyper_tensor(hypers), T, version)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-37, rtol=1e-5)
+
+
+@needs_ext
 def test_step_large_nonfinite_raises_before_writing():
     xs, gs, so, sd = _large_step_case("list", torch.float32)
     hyp = _hyper_tensor([TensorHyper(lr=1.0) for _ in xs])
