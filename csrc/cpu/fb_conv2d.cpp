@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -114,11 +115,19 @@ inline bool use_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
+// and a third time for AVX-512 (64-byte vectors: half the loads and FMAs per
+// row of the mix), unless PRUNOPT_NO_AVX512 is set (tests compare the two)
+inline bool use_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && use_avx2();
+  return ok && std::getenv("PRUNOPT_NO_AVX512") == nullptr;
+}
 #endif
 
-// A tile of W outputs is summed in GCC vector registers (32 bytes: one AVX
-// register or two SSE registers; 16 bytes for 4 floats), so the partial sums
-// stay in registers whatever the compiler's loop transformations. Rows are
+// A tile of W outputs is summed in GCC vector registers (kMaxBytes = 32: one
+// AVX register or two SSE registers, 16 bytes for 4 floats; 64 in the AVX-512
+// clone), so the partial sums stay in registers whatever the compiler's loop
+// transformations. Each output is summed in the same order whatever the
+// vector width (U is that of 32-byte vectors), so the clones agree bit for bit. Rows are
 // read W wide: the buffers they come from are padded by kTile elements, and
 // only the valid outputs are stored. Half and BFloat16 take a scalar loop.
 template <typename scalar_t>
@@ -127,15 +136,17 @@ constexpr bool kVectorised = std::is_same<scalar_t, float>::value || std::is_sam
 // out[0:W] = b0 + sum_{e < count} w(e) * row(e)[0:W]: the inner product of eq. 8
 // (and of the K^2 x N transform) for one tile. Always inlined, so it is
 // compiled for the ISA of its caller (AVX2+FMA clone or baseline).
-template <typename scalar_t, int W, typename WFn, typename RowFn>
+template <typename scalar_t, int W, int kMaxBytes = 32, typename WFn, typename RowFn>
 __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, WFn w, RowFn row, scalar_t* out) {
   if constexpr (kVectorised<scalar_t>) {
-    constexpr int kBytes = W * sizeof(scalar_t) < 32 ? W * sizeof(scalar_t) : 32;
+    constexpr int kBytes = W * sizeof(scalar_t) < kMaxBytes ? W * sizeof(scalar_t) : kMaxBytes;
     typedef scalar_t V __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
     constexpr int kVecs = W * sizeof(scalar_t) / kBytes;
     // narrow tiles (few vectors) keep U independent sums so that the FMA
-    // latency, not the throughput, is not what bounds a long row
-    constexpr int U = kVecs >= 4 ? 1 : 4 / kVecs;
+    // latency, not the throughput, is not what bounds a long row (counted in
+    // 32-byte vectors for every clone: the same order of sums)
+    constexpr int kVecs32 = W * sizeof(scalar_t) < 32 ? 1 : W * sizeof(scalar_t) / 32;
+    constexpr int U = kVecs32 >= 4 ? 1 : 4 / kVecs32;
     V acc[U][kVecs];
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < kVecs; ++i) acc[u][i] = V{};
@@ -198,7 +209,7 @@ struct MapsArgs {
   scalar_t* z;
 };
 
-template <typename scalar_t, int W>
+template <typename scalar_t, int W, int kMaxBytes = 32>
 __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A, int64_t t0, int64_t t1) {
   const Geometry& G = *A.G;
   const int64_t P = G.p(), K = G.kh * G.kw, N = G.n;
@@ -253,7 +264,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
         if (!uc[n]) continue;
         const scalar_t* gn = gs + n * K;
         for (int64_t q0 = 0; q0 < L; q0 += W) {
-          tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
+          tile_sum<scalar_t, W, kMaxBytes>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
               [&](int64_t k) -> const scalar_t* { return xp + q0 + off[k]; }, t + q0);
         }
         for (int64_t oy = 0; oy < G.ho; ++oy) copy_row(t + oy * Wp, G.wo, row + oy * G.wo);
@@ -269,7 +280,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
       for (int64_t p0 = 0; p0 < P; p0 += W) {
         const int64_t len = std::min<int64_t>(W, P - p0);
         scalar_t out[W];
-        tile_sum<scalar_t, W>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
+        tile_sum<scalar_t, W, kMaxBytes>(K, scalar_t(0), [&](int64_t k) { return gn[k]; },
             [&](int64_t k) -> const scalar_t* { return col + k * P + p0; }, out);
         copy_row(out, len, row + p0);
       }
@@ -294,6 +305,10 @@ template <typename scalar_t>
 __attribute__((target("avx2,fma"))) void maps_avx2(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
   PRUNOPT_DISPATCH_WIDTH(maps_width(a), maps_body<scalar_t, W>(a, t0, t1))
 }
+template <typename scalar_t>
+__attribute__((target("avx512f,avx2,fma"))) void maps_avx512(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
+  PRUNOPT_DISPATCH_WIDTH(maps_width(a), (maps_body<scalar_t, W, 64>(a, t0, t1)))
+}
 #endif
 
 // Step 1: Z[b, c, n, :] = sum_k g[n, k] col_c[k, :] for every used (c, n): a
@@ -309,6 +324,7 @@ void basis_maps(const scalar_t* x, const Geometry& G, const double* g, bool iden
   at::parallel_for(0, G.batch * G.c_in, std::max<int64_t>(1, 4096 / (N * P + 1)), [&](int64_t t0, int64_t t1) {
     MapsArgs<scalar_t> a{x, &G, gs.data(), identity, used.data(), &taps, z};
 #ifdef PRUNOPT_X86_DISPATCH
+    if (use_avx512()) return maps_avx512<scalar_t>(a, t0, t1);
     if (use_avx2()) return maps_avx2<scalar_t>(a, t0, t1);
 #endif
     maps_default<scalar_t>(a, t0, t1);
@@ -326,7 +342,7 @@ struct MixArgs {
   scalar_t* y;
 };
 
-template <typename scalar_t, int W>
+template <typename scalar_t, int W, int kMaxBytes = 32>
 __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, int64_t t0, int64_t t1) {
   const Geometry& G = *A.G;
   const int64_t P = G.p();
@@ -347,7 +363,7 @@ __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, 
     const scalar_t* zg = z + ((b * tiles + tl) * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * W;
     const int32_t e0 = crow[o];
     scalar_t out[W];
-    tile_sum<scalar_t, W>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
+    tile_sum<scalar_t, W, kMaxBytes>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
         [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * W; }, out);
     copy_row(out, len, y + (b * G.c_out + o) * P + p0);
   }
@@ -361,6 +377,10 @@ void mix_default(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
 template <typename scalar_t>
 __attribute__((target("avx2,fma"))) void mix_avx2(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
   PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p(), kMixTile), mix_body<scalar_t, W>(a, t0, t1))
+}
+template <typename scalar_t>
+__attribute__((target("avx512f,avx2,fma"))) void mix_avx512(const MixArgs<scalar_t>& a, int64_t t0, int64_t t1) {
+  PRUNOPT_DISPATCH_WIDTH(tile_width(a.G->p(), kMixTile), (mix_body<scalar_t, W, 64>(a, t0, t1)))
 }
 #endif
 
@@ -378,6 +398,7 @@ void csr_mix(const scalar_t* z, const Geometry& G, const int32_t* crow, const in
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
     MixArgs<scalar_t> a{z, &G, crow, col, val, bias, y};
 #ifdef PRUNOPT_X86_DISPATCH
+    if (use_avx512()) return mix_avx512<scalar_t>(a, t0, t1);
     if (use_avx2()) return mix_avx2<scalar_t>(a, t0, t1);
 #endif
     mix_default<scalar_t>(a, t0, t1);

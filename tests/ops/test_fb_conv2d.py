@@ -116,6 +116,36 @@ def test_vgg_like_layer_all_densities(device, dtype):
             torch.testing.assert_close(y.double().cpu(), exact, **_tol(dtype, 10.0))
 
 
+@needs_ext
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_path_avx512_clone_matches_avx2(dtype, monkeypatch):
+    """The sparse path's loops have an AVX-512 clone (64-byte vectors) beside
+    the AVX2 one; each output sums its products in the same order in both, so
+    they agree bit for bit (PRUNOPT_NO_AVX512 selects the AVX2 clone). Image
+    sizes cover every tile width (P = 4 ... 64 and several tiles), stride 1
+    (shifted padded rows) and 2 (im2col + transform), the standard basis."""
+    g = torch.Generator().manual_seed(7)
+    for hw, stride, basis_kind in [(2, 1, "orth"), (4, 1, "orth"), (8, 1, "std"), (13, 1, "orth"), (16, 2, "orth"),
+                                   (32, 1, "orth")]:
+        x = torch.randn(2, 24, hw, hw, generator=g, dtype=dtype)
+        coeff = torch.randn(40, 24, 9, generator=g, dtype=dtype)
+        mask = (torch.rand(coeff.shape, generator=g) < 0.2).to(dtype)
+        if basis_kind == "std":
+            basis = torch.eye(9, dtype=dtype).reshape(9, 3, 3)
+        else:
+            basis = torch.linalg.qr(torch.randn(9, 9, generator=g, dtype=torch.float64))[0].reshape(9, 3, 3).to(dtype)
+        bias = torch.randn(40, generator=g, dtype=dtype)
+        args = (x, coeff, basis, mask, bias, [stride] * 2, [1, 1], [1, 1], 1, 1.0)
+        monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+        y512 = torch.ops.prunopt.fb_conv2d(*args)
+        monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+        y256 = torch.ops.prunopt.fb_conv2d(*args)
+        assert torch.equal(y512, y256), (hw, stride, basis_kind)
+        exact = fb_conv2d_reference(x.double(), coeff.double(), basis.double(), mask.double(), bias.double(), stride, 1)
+        torch.testing.assert_close(y512.double(), exact, **_tol(dtype, 30.0))
+
+
 def test_both_paths_have_the_same_gradients():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, 7, 6, generator=g, dtype=torch.float64, requires_grad=True)
