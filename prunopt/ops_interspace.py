@@ -22,6 +22,7 @@ fallback (``prunopt.reference.interspace``) when the extension is missing.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -38,33 +39,70 @@ from prunopt.reference.interspace import (
 )
 
 __all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "sparse_is_faster",
-           "auto_max_density"]
+           "auto_max_density", "cost_constants"]
 
 # -- the cost model of path="auto" (docs/interspace.md, "Choosing the path") --------------------
 # Time of one call in units of one multiply-add of the dense conv2d (oneDNN) at
 # large images, least-squares fitted to single-thread timings of both paths on
-# the VGG16-CIFAR layers (3x3, orthonormal basis, batch 1, densities 0.03-0.7;
-# the fit picks the faster path in 41 of 45 cases, the other 4 within 8%):
-#   dense  = W (P + DENSE_SMALL_IMAGE / P_image)         W = C_out C_in/g K
-#   sparse = SPARSE_PER_MAC nnz P + SPARSE_PER_NNZ nnz + MAPS_PER_MAC C_in N K P + SPARSE_FIXED
+# the VGG16-CIFAR layers (3x3, orthonormal basis, batch 1; tools/fit_fb_cost_model.py):
+#   dense  = W (P + dense_small_image / P_image) + dense_fixed         W = C_out C_in/g K
+#   sparse = per_mac nnz P + per_nnz nnz + maps_per_mac C_in N K P + fixed
 # with P the output positions (batch x Ho x Wo) and P_image = Ho x Wo. The
-# dense small-image term is conv2d's poor efficiency on 4x4 and 2x2 images; the
-# sparse per-nnz term the CSR walk, the fixed term allocation and dispatch.
-# The fixed term was fitted as 2.1e6 and lowered to 1.5e6 after the per-call
-# cost fell by about 20-30 us (FBConv2d's eval call below autograd, no used-map
-# scan when every map is used): the 3->64 layer at density 0.01 then takes the
-# sparse path, 54 us against conv2d's 63 us at 2 threads.
-COST_SPARSE_PER_MAC = 2.2
-COST_SPARSE_PER_NNZ = 29.0
-COST_MAPS_PER_MAC = 0.36
-COST_SPARSE_FIXED = 1.5e6
-COST_DENSE_SMALL_IMAGE = 160.0
+# dense small-image term is conv2d's poor efficiency on 4x4 and 2x2 images
+# (on the AVX2 host); the sparse per-nnz term the CSR walk, the fixed term
+# allocation and dispatch. The constants depend on the machine, above all on
+# how fast oneDNN's conv2d is there, so there is one set per CPU capability
+# (torch.backends.cpu.get_cpu_capability()):
+#   "default" (AVX2; AMD EPYC, densities 0.03-0.7: the faster path in 41 of 45
+#   cases, the other 4 within 8%). Its fixed term was fitted as 2.1e6 and
+#   lowered to 1.5e6 after the per-call cost fell by about 20-30 us (FBConv2d's
+#   eval call below autograd, no used-map scan when every map is used): the
+#   3->64 layer at density 0.01 then takes the sparse path, 54 us against
+#   conv2d's 63 us at 2 threads.
+#   "AVX512" (Intel Xeon with AVX-512, session 8): oneDNN's conv2d is about twice
+#   as fast per multiply-add there and keeps its speed on small images, so the
+#   AVX2 set chose the sparse path for the 2x2 layers at density 0.5 (0.99 ms
+#   against conv2d's 0.37 ms).
+COST_CONSTANTS = {
+    "default": dict(per_mac=2.2, per_nnz=29.0, maps_per_mac=0.36, fixed=1.5e6, dense_small_image=160.0,
+                    dense_fixed=0.0),
+    # tools/fit_fb_cost_model.py on the Xeon host (2026-11-23; 14 layer shapes, densities 0.01-0.7):
+    # the faster path in 77 of 84 cases (misses: narrow layers at densities <= 0.1, up to 1.7x);
+    # the AVX2 set there: 72 of 84, misses up to 2.0x, and on the VGG16 layers 41 of 54, up to 3.05x
+    "AVX512": dict(per_mac=3.16, per_nnz=51.0, maps_per_mac=3.4, fixed=2.76e6, dense_small_image=61.5,
+                   dense_fixed=1.04e6),
+}
+# The AVX2 set under its former names.
+COST_SPARSE_PER_MAC = COST_CONSTANTS["default"]["per_mac"]
+COST_SPARSE_PER_NNZ = COST_CONSTANTS["default"]["per_nnz"]
+COST_MAPS_PER_MAC = COST_CONSTANTS["default"]["maps_per_mac"]
+COST_SPARSE_FIXED = COST_CONSTANTS["default"]["fixed"]
+COST_DENSE_SMALL_IMAGE = COST_CONSTANTS["default"]["dense_small_image"]
 
 
-def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int):
-    dense = c_out * c_in_g * k * (positions + COST_DENSE_SMALL_IMAGE / max(1, image_positions))
-    per_nnz = COST_SPARSE_PER_MAC * positions + COST_SPARSE_PER_NNZ
-    fixed = COST_MAPS_PER_MAC * c_in * n * k * positions + COST_SPARSE_FIXED
+def cost_constants(capability: Optional[str] = None) -> dict:
+    """The cost model's constants for ``capability`` (default: this CPU's,
+    ``torch.backends.cpu.get_cpu_capability()``): the ``AVX512`` set there,
+    the ``default`` (AVX2) set everywhere else."""
+    if capability is None:
+        capability = _cpu_capability()
+    return COST_CONSTANTS.get(capability, COST_CONSTANTS["default"])
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover - older torch
+        return "default"
+
+
+def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int,
+           consts: Optional[dict] = None):
+    c = consts if consts is not None else cost_constants()
+    dense = c_out * c_in_g * k * (positions + c["dense_small_image"] / max(1, image_positions)) + c.get("dense_fixed", 0.0)
+    per_nnz = c["per_mac"] * positions + c["per_nnz"]
+    fixed = c["maps_per_mac"] * c_in * n * k * positions + c["fixed"]
     return dense, per_nnz, fixed
 
 
@@ -73,7 +111,7 @@ def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: in
     """The cost model of ``path="auto"``: True when eq. 8 over ``nnz`` stored
     coefficients is predicted to beat reconstruct + ``conv2d`` for ``positions``
     output positions (batch x Ho x Wo; ``image_positions`` = Ho x Wo, default
-    ``positions``). See the ``COST_*`` constants."""
+    ``positions``). See :func:`cost_constants`."""
     dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
     return nnz * per_nnz + fixed < dense
 

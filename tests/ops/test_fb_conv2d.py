@@ -315,6 +315,27 @@ def test_cost_model_picks_the_path_by_density_and_image_size():
     assert auto_max_density(64, 3, 3, 9, 9, 1024) < 0.05
 
 
+def test_cost_model_constants_per_cpu_capability(monkeypatch):
+    """One set of cost-model constants per CPU capability: the AVX512 set on
+    AVX-512 CPUs (where oneDNN's conv2d is about twice as fast and the AVX2 set
+    chose the sparse path for 2x2 layers at density 0.5, 2.7x slower), the
+    AVX2 ("default") set elsewhere."""
+    from prunopt import ops_interspace
+    from prunopt.ops_interspace import COST_CONSTANTS, cost_constants, sparse_is_faster
+
+    assert cost_constants("AVX512") is COST_CONSTANTS["AVX512"]
+    for cap in ("AVX2", "DEFAULT", "ZVECTOR", "default"):
+        assert cost_constants(cap) is COST_CONSTANTS["default"]
+    assert cost_constants() is cost_constants(torch.backends.cpu.get_cpu_capability())
+    total = 512 * 512 * 9
+    picks = {}
+    for cap in ("default", "AVX512"):
+        monkeypatch.setattr(ops_interspace, "_cpu_capability", lambda cap=cap: cap)
+        picks[cap] = [sparse_is_faster(int(d * total), 512, 512, 512, 9, 9, 4) for d in (0.01, 0.1, 0.5)]
+    assert picks["default"] == [True, True, True]  # conv2d on 2x2 images is slow on the AVX2 host
+    assert picks["AVX512"] == [True, True, False]
+
+
 def test_auto_path_is_exact_on_both_sides_of_the_threshold():
     from prunopt.ops_interspace import auto_max_density
 
