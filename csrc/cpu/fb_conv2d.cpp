@@ -239,8 +239,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
       copy_row(row + p0, len, z + (((b * T + tl) * G.c_in + c) * N + n) * Wz);
     }
   };
-  for (int64_t bc = t0; bc < t1; ++bc) {
-    const int64_t c = bc % G.c_in, b = bc / G.c_in;
+  for (int64_t bc = t0, c = t0 % G.c_in, b = t0 / G.c_in; bc < t1; ++bc, c = c + 1 == G.c_in ? (++b, 0) : c + 1) {
     const uint8_t* uc = used + c * N;
     bool any = false;
     for (int64_t n = 0; n < N; ++n) any |= uc[n] != 0;
@@ -354,18 +353,26 @@ __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, 
   const scalar_t* val = A.val;
   const scalar_t* bias = A.bias;
   scalar_t* y = A.y;
+  // task t = (b * tiles + tl) * C_out + o, the indices stepped rather than
+  // divided out per task (64-bit divisions were most of a sparse layer's time)
+  int64_t o = t0 % G.c_out, tl = (t0 / G.c_out) % tiles, b = t0 / G.c_out / tiles;
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t o = t % G.c_out;
-    const int64_t bt = t / G.c_out;
-    const int64_t tl = bt % tiles, b = bt / tiles;
     const int64_t p0 = tl * W, len = std::min<int64_t>(W, P - p0);
     const scalar_t b0 = bias ? bias[o] : scalar_t(0);
-    const scalar_t* zg = z + ((b * tiles + tl) * G.c_in + (o / c_out_g) * G.c_in_g()) * G.n * W;
+    const int64_t grp = G.groups == 1 ? 0 : o / c_out_g;
+    const scalar_t* zg = z + ((b * tiles + tl) * G.c_in + grp * G.c_in_g()) * G.n * W;
     const int32_t e0 = crow[o];
     scalar_t out[W];
     tile_sum<scalar_t, W, kMaxBytes>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
         [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * W; }, out);
     copy_row(out, len, y + (b * G.c_out + o) * P + p0);
+    if (++o == G.c_out) {
+      o = 0;
+      if (++tl == tiles) {
+        tl = 0;
+        ++b;
+      }
+    }
   }
 }
 
