@@ -81,9 +81,16 @@ COST_DENSE_SMALL_IMAGE = COST_CONSTANTS["default"]["dense_small_image"]
 
 
 def cost_constants(capability: Optional[str] = None) -> dict:
-    """The cost model's constants for ``capability`` (default: this CPU's,
-    ``torch.backends.cpu.get_cpu_capability()``): the ``AVX512`` set there,
-    the ``default`` (AVX2) set everywhere else."""
+    """The constants of the path cost model for ``capability`` (default: this
+    CPU's, ``torch.backends.cpu.get_cpu_capability()``): the ``AVX512`` set
+    there, the ``default`` (AVX2) set everywhere else. In units of one dense
+    multiply-add, with ``W = C_out C_in/g K``, ``P`` output positions and
+    ``P_img = Ho Wo``, the dense path (reconstruct, eq. 4, then conv2d, eq. 6)
+    costs ``W (P + dense_small_image / P_img) + dense_fixed`` and the sparse
+    path (eq. 8 / Alg. 1: basis maps, then the CSR mix) costs
+    ``per_mac nnz P + per_nnz nnz + maps_per_mac C_in N K P + fixed``
+    (App. D counts the same multiply-adds). The returned dict is the module's
+    own: copy it before changing it."""
     if capability is None:
         capability = _cpu_capability()
     return COST_CONSTANTS.get(capability, COST_CONSTANTS["default"])
