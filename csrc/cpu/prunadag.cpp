@@ -913,6 +913,27 @@ Selected sampled_select(const std::vector<Seg>& segs, int64_t total, int64_t n, 
 
 // tau (and the norms with kNorms) for one scope: sampled select, or the exact
 // radix select + norms pass when the sample's bracket missed.
+// ||g||_R^2 and ||x||_M^2 for a known tau, squares in double (a pass over g and x).
+template <typename scalar_t>
+Selected exact_norms(const std::vector<Seg>& segs, int64_t total, scalar_t tau) {
+  Selected res;
+  const int64_t nchunks = num_chunks(total);
+  std::vector<double> gr(nchunks, 0.0), xm(nchunks, 0.0);
+  for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
+    for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
+      if (s.prune) {
+        norms_range<scalar_t>(s, b, e, tau, gr[ch], xm[ch]);
+      }
+    });
+  });
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    res.g_r2 += gr[ch];
+    res.x_m2 += xm[ch];
+  }
+  res.ok = true;
+  return res;
+}
+
 template <typename scalar_t, bool kX, bool kNorms>
 Selected select_scope(const std::vector<Seg>& segs, int64_t total, int64_t n, int64_t k, const char* op,
     const char* what, scalar_t& tau) {
@@ -920,28 +941,27 @@ Selected select_scope(const std::vector<Seg>& segs, int64_t total, int64_t n, in
   if (k <= 0 || sampling_enabled()) {
     const Selected s = sampled_select<scalar_t, kX, kNorms>(segs, total, n, k, op, what, tau);
     if (s.ok) {
+      if constexpr (kNorms && std::is_same<scalar_t, float>::value) {
+        // The scan sums ||g||^2 over the surely relevant elements in short
+        // float blocks, where squares of |g| < ~1e-19 are denormal and of
+        // |g| < ~1e-23 are 0 (vanishing gradients). Each element loses less
+        // than 2^-126, so below n 2^-102 the loss could exceed 2^-24 of the
+        // sum: then both norms are taken again in double (a pass over g and x;
+        // never for gradients of ordinary size).
+        if (s.g_r2 < static_cast<double>(n) * 0x1p-102) {
+          return exact_norms<scalar_t>(segs, total, tau);
+        }
+      }
       return s;
     }
   } else {
     sampled_select<scalar_t, kX, false>(segs, total, n, 0, op, what, tau);  // finiteness check only
   }
-  Selected res;
   tau = radix_select<scalar_t, kX>(segs, total, k);
   if constexpr (kNorms) {
-    const int64_t nchunks = num_chunks(total);
-    std::vector<double> gr(nchunks, 0.0), xm(nchunks, 0.0);
-    for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
-      for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
-        if (s.prune) {
-          norms_range<scalar_t>(s, b, e, tau, gr[ch], xm[ch]);
-        }
-      });
-    });
-    for (int64_t ch = 0; ch < nchunks; ++ch) {
-      res.g_r2 += gr[ch];
-      res.x_m2 += xm[ch];
-    }
+    return exact_norms<scalar_t>(segs, total, tau);
   }
+  Selected res;
   res.ok = true;
   return res;
 }

@@ -332,6 +332,33 @@ def test_step_large_tiny_parameters_ratio(version, scale, mode, monkeypatch):
 
 
 @needs_ext
+@pytest.mark.parametrize("mode", SELECT_MODES)
+@pytest.mark.parametrize("scale", [1e-20, 1e-25])
+@pytest.mark.parametrize("version", [1, 3])
+def test_step_large_tiny_gradients_ratio(version, scale, mode, monkeypatch):
+    """Vanishing gradients: float32 squares of |g| ~ 1e-25 are 0, yet
+    ||g||_R and so r must be the reference's. With ordinary accumulators the
+    acceptance test a <= |s| then depends on r (a kernel that took ||g||_R from
+    the candidates alone put elements in O that belong in D: decrease_sum off
+    by ~20)."""
+    monkeypatch.setenv("PRUNOPT_PRUNADAG_SELECT", mode)
+    g = torch.Generator().manual_seed(5)
+    n = LARGE
+    x = torch.randn(n, generator=g)
+    gr = torch.randn(n, generator=g) * scale
+    so = torch.rand(n, generator=g) + 0.01
+    sd = torch.rand(n, generator=g) + 0.01
+    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=0.0, eps=1e-30, maximize=False)]
+    T = n // 10
+    ref = [x.clone(), so.clone(), sd.clone()]
+    prunadag_step_reference([ref[0]], [gr], [ref[1]], [ref[2]], hypers, T, version)
+    out = [x.clone(), so.clone(), sd.clone()]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [gr], _hyper_tensor(hypers), T, version)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-37, rtol=1e-5)
+
+
+@needs_ext
 def test_step_large_nonfinite_raises_before_writing():
     xs, gs, so, sd = _large_step_case("list", torch.float32)
     hyp = _hyper_tensor([TensorHyper(lr=1.0) for _ in xs])
