@@ -300,6 +300,22 @@ def test_step_large_matches_reference(kind, dtype, version, wd, maximize, frac, 
             torch.testing.assert_close(a, b, **tol)
 
 
+def _assert_one_large_step_matches_reference(x, gr, gen, eps, version):
+    """One step (k = 0, lr 0.1, T = n/10) of the op from accumulators in
+    [0.01, 1.01) against the float64-norm reference, to the last few ulps
+    (atol only for denormal results)."""
+    n = x.numel()
+    so = torch.rand(n, generator=gen) + 0.01
+    sd = torch.rand(n, generator=gen) + 0.01
+    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=0.0, eps=eps, maximize=False)]
+    ref = [x.clone(), so.clone(), sd.clone()]
+    prunadag_step_reference([ref[0]], [gr], [ref[1]], [ref[2]], hypers, n // 10, version)
+    out = [x.clone(), so.clone(), sd.clone()]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [gr], _hyper_tensor(hypers), n // 10, version)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-37, rtol=1e-5)
+
+
 @needs_ext
 @pytest.mark.parametrize("mode", SELECT_MODES)
 @pytest.mark.parametrize("scale", [1e-20, 1e-25])
@@ -319,16 +335,7 @@ def test_step_large_tiny_parameters_ratio(version, scale, mode, monkeypatch):
     if scale == 1e-25:
         x[: n // 3] *= 1e-22  # all tiny
     gr = torch.randn(n, generator=g)
-    so = torch.rand(n, generator=g) + 0.01
-    sd = torch.rand(n, generator=g) + 0.01
-    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False)]
-    T = n // 10
-    ref = [x.clone(), so.clone(), sd.clone()]
-    prunadag_step_reference([ref[0]], [gr], [ref[1]], [ref[2]], hypers, T, version)
-    out = [x.clone(), so.clone(), sd.clone()]
-    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [gr], _hyper_tensor(hypers), T, version)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, atol=1e-37, rtol=1e-5)
+    _assert_one_large_step_matches_reference(x, gr, g, 1e-10, version)
 
 
 @needs_ext
@@ -346,16 +353,7 @@ def test_step_large_tiny_gradients_ratio(version, scale, mode, monkeypatch):
     n = LARGE
     x = torch.randn(n, generator=g)
     gr = torch.randn(n, generator=g) * scale
-    so = torch.rand(n, generator=g) + 0.01
-    sd = torch.rand(n, generator=g) + 0.01
-    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=0.0, eps=1e-30, maximize=False)]
-    T = n // 10
-    ref = [x.clone(), so.clone(), sd.clone()]
-    prunadag_step_reference([ref[0]], [gr], [ref[1]], [ref[2]], hypers, T, version)
-    out = [x.clone(), so.clone(), sd.clone()]
-    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [gr], _hyper_tensor(hypers), T, version)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, atol=1e-37, rtol=1e-5)
+    _assert_one_large_step_matches_reference(x, gr, g, 1e-30, version)
 
 
 @needs_ext
