@@ -72,12 +72,6 @@ COST_CONSTANTS = {
     "AVX512": dict(per_mac=3.16, per_nnz=51.0, maps_per_mac=3.4, fixed=2.76e6, dense_small_image=61.5,
                    dense_fixed=1.04e6),
 }
-# The AVX2 set under its former names.
-COST_SPARSE_PER_MAC = COST_CONSTANTS["default"]["per_mac"]
-COST_SPARSE_PER_NNZ = COST_CONSTANTS["default"]["per_nnz"]
-COST_MAPS_PER_MAC = COST_CONSTANTS["default"]["maps_per_mac"]
-COST_SPARSE_FIXED = COST_CONSTANTS["default"]["fixed"]
-COST_DENSE_SMALL_IMAGE = COST_CONSTANTS["default"]["dense_small_image"]
 
 
 def cost_constants(capability: Optional[str] = None) -> dict:
@@ -107,19 +101,19 @@ def _cpu_capability() -> str:
 def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int,
            consts: Optional[dict] = None):
     c = consts if consts is not None else cost_constants()
-    dense = c_out * c_in_g * k * (positions + c["dense_small_image"] / max(1, image_positions)) + c.get("dense_fixed", 0.0)
+    dense = c_out * c_in_g * k * (positions + c["dense_small_image"] / max(1, image_positions)) + c["dense_fixed"]
     per_nnz = c["per_mac"] * positions + c["per_nnz"]
     fixed = c["maps_per_mac"] * c_in * n * k * positions + c["fixed"]
     return dense, per_nnz, fixed
 
 
 def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
-                     image_positions: Optional[int] = None) -> bool:
+                     image_positions: Optional[int] = None, *, constants: Optional[dict] = None) -> bool:
     """The cost model of ``path="auto"``: True when eq. 8 over ``nnz`` stored
     coefficients is predicted to beat reconstruct + ``conv2d`` for ``positions``
     output positions (batch x Ho x Wo; ``image_positions`` = Ho x Wo, default
-    ``positions``). See :func:`cost_constants`."""
-    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
+    ``positions``). ``constants``: a set like :func:`cost_constants`'s (default: this CPU's)."""
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions, constants)
     return nnz * per_nnz + fixed < dense
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from prunopt import ops
 from prunopt.nn import FBConv2d, FilterBasis
-from prunopt.ops_interspace import _costs, cost_constants
+from prunopt.ops_interspace import cost_constants, sparse_is_faster
 
 # the VGG16-CIFAR layers, and smaller ones (narrow layers on small images),
 # so that the fixed and per-map terms are not fitted on the large layers alone
@@ -72,7 +72,7 @@ def measure(densities):
 
 def fit(rows):
     k, n = 9, 9
-    # dense: t = u W P + (u s) W / P_img, relative errors
+    # dense: t = u W P + (u s) W / P_img + u d0, relative errors
     A = np.array([[r["c_out"] * r["c_in"] * k * r["hw"] ** 2, r["c_out"] * r["c_in"] * k / r["hw"] ** 2, 1.0]
                   for r in rows])
     t = np.array([r["dense"] for r in rows])
@@ -88,9 +88,7 @@ def fit(rows):
 def picks(rows, consts):
     good, lost = 0, []
     for r in rows:
-        p = r["hw"] ** 2
-        dense, per_nnz, fixed = _costs(r["c_out"], r["c_in"], r["c_in"], 9, 9, p, p, consts)
-        sparse_pick = r["nnz"] * per_nnz + fixed < dense
+        sparse_pick = sparse_is_faster(r["nnz"], r["c_out"], r["c_in"], r["c_in"], 9, 9, r["hw"] ** 2, constants=consts)
         best_sparse = r["sparse"] < r["dense"]
         if sparse_pick == best_sparse:
             good += 1

@@ -135,7 +135,7 @@ constexpr bool kVectorised = std::is_same<scalar_t, float>::value || std::is_sam
 
 // out[0:W] = b0 + sum_{e < count} w(e) * row(e)[0:W]: the inner product of eq. 8
 // (and of the K^2 x N transform) for one tile. Always inlined, so it is
-// compiled for the ISA of its caller (AVX2+FMA clone or baseline).
+// compiled for the ISA of its caller (AVX-512 or AVX2+FMA clone, or baseline).
 template <typename scalar_t, int W, int kMaxBytes = 32, typename WFn, typename RowFn>
 __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, WFn w, RowFn row, scalar_t* out) {
   if constexpr (kVectorised<scalar_t>) {

@@ -911,8 +911,6 @@ Selected sampled_select(const std::vector<Seg>& segs, int64_t total, int64_t n, 
   return res;
 }
 
-// tau (and the norms with kNorms) for one scope: sampled select, or the exact
-// radix select + norms pass when the sample's bracket missed.
 // ||g||_R^2 and ||x||_M^2 for a known tau, squares in double (a pass over g and x).
 template <typename scalar_t>
 Selected exact_norms(const std::vector<Seg>& segs, int64_t total, scalar_t tau) {
@@ -934,6 +932,8 @@ Selected exact_norms(const std::vector<Seg>& segs, int64_t total, scalar_t tau) 
   return res;
 }
 
+// tau (and the norms with kNorms) for one scope: sampled select, or the exact
+// radix select + norms pass when the sample's bracket missed.
 template <typename scalar_t, bool kX, bool kNorms>
 Selected select_scope(const std::vector<Seg>& segs, int64_t total, int64_t n, int64_t k, const char* op,
     const char* what, scalar_t& tau) {
