@@ -149,7 +149,7 @@ __attribute__((always_inline)) inline void tile_sum(int64_t count, scalar_t b0, 
     // latency, not the throughput, is not what bounds a long row (counted in
     // 32-byte vectors for every clone: the same order of sums)
     constexpr int kVecs32 = W * sizeof(scalar_t) < 32 ? 1 : W * sizeof(scalar_t) / 32;
-    constexpr int U = kVecs32 >= 4 ? 1 : 4 / kVecs32;
+    constexpr int U = kVecs32 >= 8 ? 1 : (8 / kVecs32 < 4 ? 8 / kVecs32 : 4);
     V acc[U][kVecs];
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < kVecs; ++i) acc[u][i] = V{};
@@ -224,11 +224,18 @@ struct MapsArgs {
 // latency).
 constexpr int kMaxGroup = 5;
 
+// Lane masks of the flat layout (below): all bits set where a tap reads the
+// image, 0 where it reads across a row's edge.
+template <typename scalar_t>
+using MaskInt = typename std::conditional<sizeof(scalar_t) == 8, int64_t, int32_t>::type;
+
 template <typename scalar_t, int W, int kMaxBytes, int kG, typename KT>
 __attribute__((always_inline)) inline void maps_direct_group(const scalar_t* src, const int64_t* off, KT K,
-    const scalar_t* gs, const int32_t* un, int64_t len, scalar_t* dst, int64_t Wz) {
+    const scalar_t* gs, const int32_t* un, int64_t len, scalar_t* dst, int64_t Wz,
+    const MaskInt<scalar_t>* const* mk = nullptr) {
   constexpr int kBytes = W * sizeof(scalar_t) < kMaxBytes ? W * sizeof(scalar_t) : kMaxBytes;
   typedef scalar_t V __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
+  typedef MaskInt<scalar_t> VI __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
   constexpr int kL = kBytes / sizeof(scalar_t), kVecs = W / kL;
   // from zero, so that every add has one product (with contraction each is
   // then one FMA, alike in every clone: s0 g0 + s1 g1 could fuse either product)
@@ -237,7 +244,8 @@ __attribute__((always_inline)) inline void maps_direct_group(const scalar_t* src
     for (int i = 0; i < kVecs; ++i) acc[q][i] = V{};
   auto tap = [&](int64_t k) __attribute__((always_inline)) {
     for (int i = 0; i < kVecs; ++i) {
-      const V s = *reinterpret_cast<const V*>(src + off[k] + i * kL);
+      V s = *reinterpret_cast<const V*>(src + off[k] + i * kL);
+      if (mk && mk[k]) s = (V)((VI)s & *reinterpret_cast<const VI*>(mk[k] + i * kL));
       for (int q = 0; q < kG; ++q) acc[q][i] += s * gs[un[q] * K + k];
     }
   };
@@ -265,11 +273,33 @@ __attribute__((always_inline)) inline void maps_direct_group(const scalar_t* src
 // unrolled: a run-time trip count left accumulators on the stack).
 template <typename scalar_t, int W, int kMaxBytes, int kG>
 __attribute__((always_inline)) inline void maps_direct_group_k(const scalar_t* src, const int64_t* off, int64_t K,
-    const scalar_t* gs, const int32_t* un, int64_t len, scalar_t* dst, int64_t Wz) {
+    const scalar_t* gs, const int32_t* un, int64_t len, scalar_t* dst, int64_t Wz,
+    const MaskInt<scalar_t>* const* mk = nullptr) {
   if (K == 9) {
-    maps_direct_group<scalar_t, W, kMaxBytes, kG>(src, off, std::integral_constant<int64_t, 9>{}, gs, un, len, dst, Wz);
+    maps_direct_group<scalar_t, W, kMaxBytes, kG>(src, off, std::integral_constant<int64_t, 9>{}, gs, un, len, dst, Wz,
+        mk);
   } else {
-    maps_direct_group<scalar_t, W, kMaxBytes, kG>(src, off, K, gs, un, len, dst, Wz);
+    maps_direct_group<scalar_t, W, kMaxBytes, kG>(src, off, K, gs, un, len, dst, Wz, mk);
+  }
+}
+
+// The groups of the used maps un[0:nu] at one chunk (near-equal sizes: 9 maps
+// are 5 + 4).
+template <typename scalar_t, int W, int kMaxBytes>
+__attribute__((always_inline)) inline void maps_direct_groups(const scalar_t* src, const int64_t* off, int64_t K,
+    const scalar_t* gs, const int32_t* un, int64_t nu, int64_t len, scalar_t* dst, int64_t Wz,
+    const MaskInt<scalar_t>* const* mk = nullptr) {
+  const int64_t groups = (nu + kMaxGroup - 1) / kMaxGroup;
+  for (int64_t gi = 0, u = 0; gi < groups; ++gi) {
+    const int64_t size = (nu - u) / (groups - gi);
+    switch (size) {
+      case 1: maps_direct_group_k<scalar_t, W, kMaxBytes, 1>(src, off, K, gs, un + u, len, dst, Wz, mk); break;
+      case 2: maps_direct_group_k<scalar_t, W, kMaxBytes, 2>(src, off, K, gs, un + u, len, dst, Wz, mk); break;
+      case 3: maps_direct_group_k<scalar_t, W, kMaxBytes, 3>(src, off, K, gs, un + u, len, dst, Wz, mk); break;
+      case 4: maps_direct_group_k<scalar_t, W, kMaxBytes, 4>(src, off, K, gs, un + u, len, dst, Wz, mk); break;
+      default: maps_direct_group_k<scalar_t, W, kMaxBytes, kMaxGroup>(src, off, K, gs, un + u, len, dst, Wz, mk);
+    }
+    u += size;
   }
 }
 
@@ -299,22 +329,61 @@ __attribute__((always_inline)) inline void maps_direct_channel(const scalar_t* x
       } else if (identity) {  // the standard basis: Z[c, n] is tap n itself
         for (int64_t u = 0; u < nu; ++u) copy_row(src + off[un[u]], len, dst + un[u] * Wz);
       } else {
-        // groups of near-equal size (9 maps: 5 + 4)
-        const int64_t groups = (nu + kMaxGroup - 1) / kMaxGroup;
-        for (int64_t gi = 0, u = 0; gi < groups; ++gi) {
-          const int64_t size = (nu - u) / (groups - gi);
-          switch (size) {
-            case 1: maps_direct_group_k<scalar_t, W, kMaxBytes, 1>(src, off, K, gs, un + u, len, dst, Wz); break;
-            case 2: maps_direct_group_k<scalar_t, W, kMaxBytes, 2>(src, off, K, gs, un + u, len, dst, Wz); break;
-            case 3: maps_direct_group_k<scalar_t, W, kMaxBytes, 3>(src, off, K, gs, un + u, len, dst, Wz); break;
-            case 4: maps_direct_group_k<scalar_t, W, kMaxBytes, 4>(src, off, K, gs, un + u, len, dst, Wz); break;
-            default: maps_direct_group_k<scalar_t, W, kMaxBytes, kMaxGroup>(src, off, K, gs, un + u, len, dst, Wz);
-          }
-          u += size;
-        }
+        maps_direct_groups<scalar_t, W, kMaxBytes>(src, off, K, gs, un, nu, len, dst, Wz);
       }
     }
   }
+}
+
+// Stride 1 with as many output columns as input columns (a "same" width, e.g.
+// 3x3 with padding 1): tap k at output p = oy * W + ox reads the flat image at
+// p + shift[k] (a zero margin above and below, set once), except where the
+// column ox + kx dw - pw leaves the row: those lanes are cleared by the tap's
+// mask mk[k] (null where none does). Chunks then run over p across rows, so a
+// small image fills whole vectors (4x4: one 16-lane chunk where the row chunks
+// above were four of 4 lanes). The sums are those of the row chunks, bit for
+// bit (a cleared lane is the same +0 the padded copy holds).
+template <typename scalar_t, int W, int kMaxBytes>
+__attribute__((always_inline)) inline void maps_flat_channel(const scalar_t* xf, const int64_t* shift, int64_t K,
+    const scalar_t* gs, bool identity, const int32_t* un, int64_t nu, const Geometry& G,
+    const MaskInt<scalar_t>* const* masks, int64_t Wz, int lwz, scalar_t* zc) {
+  if constexpr (kVectorised<scalar_t>) {
+    constexpr int kBytes = W * sizeof(scalar_t) < kMaxBytes ? W * sizeof(scalar_t) : kMaxBytes;
+    typedef scalar_t V __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
+    typedef MaskInt<scalar_t> VI __attribute__((vector_size(kBytes), aligned(sizeof(scalar_t)), __may_alias__));
+    constexpr int kL = kBytes / sizeof(scalar_t), kVecs = W / kL;
+    const int64_t P = G.p(), stride_tile = G.c_in * G.n * Wz;
+    const MaskInt<scalar_t>* mk[256];
+    for (int64_t p0 = 0; p0 < P; p0 += W) {
+      const int64_t len = std::min<int64_t>(W, P - p0), tl = p0 >> lwz, j = p0 - (tl << lwz);
+      scalar_t* dst = zc + tl * stride_tile + j;
+      for (int64_t k = 0; k < K; ++k) mk[k] = masks[k] ? masks[k] + p0 : nullptr;
+      if (identity) {  // the standard basis: Z[c, n] is tap n itself
+        for (int64_t u = 0; u < nu; ++u) {
+          const int64_t n = un[u];
+          scalar_t tmp[W];
+          scalar_t* d = len == W ? dst + n * Wz : tmp;
+          for (int i = 0; i < kVecs; ++i) {
+            V v = *reinterpret_cast<const V*>(xf + p0 + shift[n] + i * kL);
+            if (mk[n]) v = (V)((VI)v & *reinterpret_cast<const VI*>(mk[n] + i * kL));
+            *reinterpret_cast<V*>(d + i * kL) = v;
+          }
+          if (len != W) copy_row(tmp, len, dst + n * Wz);
+        }
+      } else {
+        maps_direct_groups<scalar_t, W, kMaxBytes>(xf + p0, shift, K, gs, un, nu, len, dst, Wz, mk);
+      }
+    }
+  }
+}
+
+// The flat layout for stride 1 and a "same" width narrower than 16 outputs
+// (its row chunks would leave most of a vector's lanes idle; on wider rows the
+// masks cost more than they save: 32x32, p = 0.99, 203 -> 228 us).
+template <typename scalar_t>
+bool use_flat_layout(const Geometry& G) {
+  return kVectorised<scalar_t> && G.sh == 1 && G.sw == 1 && G.n <= 256 && G.kh * G.kw <= 256 && G.wo == G.w &&
+         G.wo < 16;
 }
 
 // One channel's direct maps as its own function per clone: inlined into the
@@ -333,9 +402,16 @@ struct DirectChannel {
   int64_t Wp, Wz;
   int lwz;
   scalar_t* zc;
+  const MaskInt<scalar_t>* const* masks;  // non-null: the flat layout (xp, off = the flat image, shifts)
 };
-#define PRUNOPT_DIRECT_CALL(kMaxBytes) \
-  maps_direct_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.Wp, a.Wz, a.lwz, a.zc)
+#define PRUNOPT_DIRECT_CALL(kMaxBytes)                                                                              \
+  if (a.masks) {                                                                                                    \
+    maps_flat_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.masks, a.Wz,  \
+        a.lwz, a.zc);                                                                                               \
+  } else {                                                                                                          \
+    maps_direct_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.Wp, a.Wz, \
+        a.lwz, a.zc);                                                                                               \
+  }
 template <typename scalar_t, int W>
 __attribute__((noinline)) void maps_direct_base(const DirectChannel<scalar_t>& a) {
   PRUNOPT_DIRECT_CALL(32);
@@ -365,13 +441,45 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   const scalar_t* gs = A.gs;
   const uint8_t* used = A.used;
   const bool direct = G.sh == 1 && G.sw == 1 && N <= 256;
+  const bool flat = use_flat_layout<scalar_t>(G);
   const int64_t Hp = G.h + 2 * G.ph, Wp = G.w + 2 * G.pw;
+  std::vector<int64_t> offs(K);
+  // flat: the image at xf = colbuf + front, zero margins; tap k at p reads xf[p + offs[k]]
+  int64_t front = 0, flat_size = 0;
+  std::vector<MaskInt<scalar_t>> mask_store;
+  std::vector<const MaskInt<scalar_t>*> masks;
+  if (flat) {
+    int64_t smin = 0, smax = 0;
+    for (int64_t ky = 0; ky < G.kh; ++ky) {
+      for (int64_t kx = 0; kx < G.kw; ++kx) {
+        const int64_t sh = (ky * G.dh - G.ph) * G.w + (kx * G.dw - G.pw);
+        offs[ky * G.kw + kx] = sh;
+        smin = std::min(smin, sh);
+        smax = std::max(smax, sh);
+      }
+    }
+    front = -smin;
+    flat_size = front + std::max(G.h * G.w, P + kTile + smax) + kTile;
+    // per kernel column, the lanes p in [0, P + kTile) whose column stays in the row
+    mask_store.assign(G.kw * (P + kTile), 0);
+    masks.assign(K, nullptr);
+    for (int64_t kx = 0; kx < G.kw; ++kx) {
+      const int64_t dx = kx * G.dw - G.pw;
+      const bool needed = dx < 0 || G.wo - 1 + dx >= G.w;
+      MaskInt<scalar_t>* m = mask_store.data() + kx * (P + kTile);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t cx = p % G.wo + dx;
+        m[p] = cx >= 0 && cx < G.w ? MaskInt<scalar_t>(-1) : MaskInt<scalar_t>(0);
+      }
+      for (int64_t ky = 0; ky < G.kh; ++ky) masks[ky * G.kw + kx] = needed ? m : nullptr;
+    }
+  } else {
+    for (int64_t ky = 0; ky < G.kh; ++ky)
+      for (int64_t kx = 0; kx < G.kw; ++kx) offs[ky * G.kw + kx] = ky * G.dh * Wp + kx * G.dw;
+  }
   // direct: xp (Hp x Wp, zero border set once) and W values of slack for the
   // full-width loads of a row's last chunk (their extra lanes are not stored)
-  std::vector<scalar_t> colbuf(direct ? Hp * Wp + 2 * kTile : K * P + kTile);
-  std::vector<int64_t> offs(K);
-  for (int64_t ky = 0; ky < G.kh; ++ky)
-    for (int64_t kx = 0; kx < G.kw; ++kx) offs[ky * G.kw + kx] = ky * G.dh * Wp + kx * G.dw;
+  std::vector<scalar_t> colbuf(flat ? flat_size : direct ? Hp * Wp + 2 * kTile : K * P + kTile);
   if (direct) std::fill(colbuf.begin(), colbuf.end(), scalar_t(0));
   // Z is tile-major: [b][tile of Wz outputs][c][n][Wz], so the slice of Z that
   // one output tile of the mix reads is contiguous (C_in N Wz values)
@@ -394,13 +502,18 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
     if (!any) continue;
     if (direct) {
       scalar_t* xp = colbuf.data();
-      for (int64_t y = 0; y < G.h; ++y) copy_row(xc + y * G.w, G.w, xp + (y + G.ph) * Wp + G.pw);
-      int32_t un[256];  // the used maps (N <= 256 when direct, see below)
+      if (flat) {
+        xp += front;
+        std::memcpy(xp, xc, G.h * G.w * sizeof(scalar_t));
+      } else {
+        for (int64_t y = 0; y < G.h; ++y) copy_row(xc + y * G.w, G.w, xp + (y + G.ph) * Wp + G.pw);
+      }
+      int32_t un[256];  // the used maps (N <= 256 when direct)
       int64_t nu = 0;
       for (int64_t n = 0; n < N; ++n)
         if (uc[n]) un[nu++] = static_cast<int32_t>(n);
       const DirectChannel<scalar_t> dc{xp, offs.data(), K, gs, identity, un, nu, &G, Wp, Wz, lwz,
-          z + ((b * T * G.c_in + c) * N) * Wz};
+          z + ((b * T * G.c_in + c) * N) * Wz, flat ? masks.data() : nullptr};
 #ifdef PRUNOPT_X86_DISPATCH
       if constexpr (kIsa == 2) {
         maps_direct_avx512<scalar_t, W>(dc);
@@ -444,7 +557,8 @@ template <typename scalar_t>
 int maps_width(const MapsArgs<scalar_t>& a) {
   const Geometry& G = *a.G;
   const bool direct = G.sh == 1 && G.sw == 1 && G.n <= 256;
-  return direct ? tile_width(G.wo, 16) : tile_width(G.p());
+  const bool flat = use_flat_layout<scalar_t>(G);
+  return flat ? tile_width(G.p(), 16) : direct ? tile_width(G.wo, 16) : tile_width(G.p());
 }
 template <typename scalar_t>
 void maps_default(const MapsArgs<scalar_t>& a, int64_t t0, int64_t t1) {
