@@ -604,6 +604,7 @@ struct MixArgs {
   const scalar_t* val;
   const scalar_t* bias;
   scalar_t* y;
+  bool o_outer;  // tasks (b, o, tile): the tiles of one output channel in a row
 };
 
 template <typename scalar_t, int W, int kMaxBytes = 32>
@@ -618,20 +619,37 @@ __attribute__((always_inline)) inline void mix_body(const MixArgs<scalar_t>& A, 
   const scalar_t* val = A.val;
   const scalar_t* bias = A.bias;
   scalar_t* y = A.y;
-  // task t = (b * tiles + tl) * C_out + o, the indices stepped rather than
-  // divided out per task (64-bit divisions were most of a sparse layer's time)
-  int64_t o = t0 % G.c_out, tl = (t0 / G.c_out) % tiles, b = t0 / G.c_out / tiles;
+  // task t = (b * tiles + tl) * C_out + o (or, o_outer, (b * C_out + o) *
+  // tiles + tl), the indices stepped rather than divided out per task (64-bit
+  // divisions were most of a sparse layer's time)
+  const bool o_outer = A.o_outer;
+  int64_t o, tl, b;
+  if (o_outer) {
+    tl = t0 % tiles, o = (t0 / tiles) % G.c_out, b = t0 / tiles / G.c_out;
+  } else {
+    o = t0 % G.c_out, tl = (t0 / G.c_out) % tiles, b = t0 / G.c_out / tiles;
+  }
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t p0 = tl * W, len = std::min<int64_t>(W, P - p0);
     const scalar_t b0 = bias ? bias[o] : scalar_t(0);
     const int64_t grp = G.groups == 1 ? 0 : o / c_out_g;
     const scalar_t* zg = z + ((b * tiles + tl) * G.c_in + grp * G.c_in_g()) * G.n * W;
     const int32_t e0 = crow[o];
+    scalar_t* yo = y + (b * G.c_out + o) * P + p0;
     scalar_t out[W];
     tile_sum<scalar_t, W, kMaxBytes>(crow[o + 1] - e0, b0, [&](int64_t e) { return val[e0 + e]; },
-        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * W; }, out);
-    copy_row(out, len, y + (b * G.c_out + o) * P + p0);
-    if (++o == G.c_out) {
+        [&](int64_t e) -> const scalar_t* { return zg + static_cast<int64_t>(col[e0 + e]) * W; },
+        len == W ? yo : out);  // a whole tile straight into y
+    if (len != W) copy_row(out, len, yo);
+    if (o_outer) {
+      if (++tl == tiles) {
+        tl = 0;
+        if (++o == G.c_out) {
+          o = 0;
+          ++b;
+        }
+      }
+    } else if (++o == G.c_out) {
       o = 0;
       if (++tl == tiles) {
         tl = 0;
@@ -667,8 +685,15 @@ void csr_mix(const scalar_t* z, const Geometry& G, const int32_t* crow, const in
   const int64_t nnz = crow[G.c_out];
   const int64_t work_per_task = std::max<int64_t>(1, (nnz / std::max<int64_t>(1, G.c_out) + 1) * std::min(P, kTile));
   const int64_t grain = std::max<int64_t>(1, 16384 / work_per_task);
+  // Channels innermost keep one tile's slice of Z in cache while every output
+  // channel reads it, but write each channel's rows P apart (4 KiB at 32x32:
+  // the same L1 set for every channel). When one image's Z fits in L2 anyway,
+  // the tiles go innermost and y is written in order (3->64 @32x32, density
+  // 0.1, one thread: 78 -> 45 us).
+  const int64_t z_bytes = tiles * tile_width(P, kMixTile) * G.c_in * G.n * static_cast<int64_t>(sizeof(scalar_t));
+  const bool o_outer = z_bytes <= (int64_t(256) << 10);
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    MixArgs<scalar_t> a{z, &G, crow, col, val, bias, y};
+    MixArgs<scalar_t> a{z, &G, crow, col, val, bias, y, o_outer};
 #ifdef PRUNOPT_X86_DISPATCH
     if (use_avx512()) return mix_avx512<scalar_t>(a, t0, t1);
     if (use_avx2()) return mix_avx2<scalar_t>(a, t0, t1);
