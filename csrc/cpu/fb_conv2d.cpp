@@ -380,10 +380,13 @@ __attribute__((always_inline)) inline void maps_flat_channel(const scalar_t* xf,
 // The flat layout for stride 1 and a "same" width narrower than 16 outputs
 // (its row chunks would leave most of a vector's lanes idle; on wider rows the
 // masks cost more than they save: 32x32, p = 0.99, 203 -> 228 us).
+// Stride-1 maps as shifted rows (N <= 256: the used-map list of a channel).
+inline bool use_direct_maps(const Geometry& G) {
+  return G.sh == 1 && G.sw == 1 && G.n <= 256;
+}
 template <typename scalar_t>
 bool use_flat_layout(const Geometry& G) {
-  return kVectorised<scalar_t> && G.sh == 1 && G.sw == 1 && G.n <= 256 && G.kh * G.kw <= 256 && G.wo == G.w &&
-         G.wo < 16;
+  return kVectorised<scalar_t> && use_direct_maps(G) && G.kh * G.kw <= 256 && G.wo == G.w && G.wo < 16;
 }
 
 // One channel's direct maps as its own function per clone: inlined into the
@@ -404,31 +407,32 @@ struct DirectChannel {
   scalar_t* zc;
   const MaskInt<scalar_t>* const* masks;  // non-null: the flat layout (xp, off = the flat image, shifts)
 };
-#define PRUNOPT_DIRECT_CALL(kMaxBytes)                                                                              \
-  if (a.masks) {                                                                                                    \
-    maps_flat_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.masks, a.Wz,  \
-        a.lwz, a.zc);                                                                                               \
-  } else {                                                                                                          \
-    maps_direct_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.Wp, a.Wz, \
-        a.lwz, a.zc);                                                                                               \
+template <typename scalar_t, int W, int kMaxBytes>
+__attribute__((always_inline)) inline void maps_direct_any(const DirectChannel<scalar_t>& a) {
+  if (a.masks) {
+    maps_flat_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.masks, a.Wz,
+        a.lwz, a.zc);
+  } else {
+    maps_direct_channel<scalar_t, W, kMaxBytes>(a.xp, a.off, a.K, a.gs, a.identity, a.un, a.nu, *a.G, a.Wp, a.Wz,
+        a.lwz, a.zc);
   }
+}
 template <typename scalar_t, int W>
 __attribute__((noinline)) void maps_direct_base(const DirectChannel<scalar_t>& a) {
-  PRUNOPT_DIRECT_CALL(32);
+  maps_direct_any<scalar_t, W, 32>(a);
 }
 #ifdef PRUNOPT_X86_DISPATCH
 template <typename scalar_t, int W>
 __attribute__((noinline, target("avx2,fma"), optimize("fp-contract=fast"))) void maps_direct_avx2(
     const DirectChannel<scalar_t>& a) {
-  PRUNOPT_DIRECT_CALL(32);
+  maps_direct_any<scalar_t, W, 32>(a);
 }
 template <typename scalar_t, int W>
 __attribute__((noinline, target("avx512f,avx2,fma"), optimize("fp-contract=fast"))) void maps_direct_avx512(
     const DirectChannel<scalar_t>& a) {
-  PRUNOPT_DIRECT_CALL(64);
+  maps_direct_any<scalar_t, W, 64>(a);
 }
 #endif
-#undef PRUNOPT_DIRECT_CALL
 
 template <typename scalar_t, int W, int kMaxBytes = 32, int kIsa = 0>
 __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A, int64_t t0, int64_t t1) {
@@ -440,7 +444,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   scalar_t* z = A.z;
   const scalar_t* gs = A.gs;
   const uint8_t* used = A.used;
-  const bool direct = G.sh == 1 && G.sw == 1 && N <= 256;
+  const bool direct = use_direct_maps(G);
   const bool flat = use_flat_layout<scalar_t>(G);
   const int64_t Hp = G.h + 2 * G.ph, Wp = G.w + 2 * G.pw;
   std::vector<int64_t> offs(K);
@@ -556,7 +560,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
 template <typename scalar_t>
 int maps_width(const MapsArgs<scalar_t>& a) {
   const Geometry& G = *a.G;
-  const bool direct = G.sh == 1 && G.sw == 1 && G.n <= 256;
+  const bool direct = use_direct_maps(G);
   const bool flat = use_flat_layout<scalar_t>(G);
   return flat ? tile_width(G.p(), 16) : direct ? tile_width(G.wo, 16) : tile_width(G.p());
 }
