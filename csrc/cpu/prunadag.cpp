@@ -161,9 +161,8 @@ struct SimdF {
   using V = __m128;
   using Acc = __m128d;
   static constexpr int W = 4;
-  static constexpr bool kApprox = true;  // rsqrt / rcp (relative error <= 1.5 * 2^-12)
+  static constexpr bool kApprox = true;  // rsqrt (relative error <= 1.5 * 2^-12)
   static V rsqrt(V a) { return _mm_rsqrt_ps(a); }
-  static V rcp(V a) { return _mm_rcp_ps(a); }
   static V load(const float* p) { return _mm_loadu_ps(p); }
   static void store(float* p, V v) { _mm_storeu_ps(p, v); }
   static V set1(float v) { return _mm_set1_ps(v); }
@@ -186,6 +185,16 @@ struct SimdF {
   static V signbit() { return _mm_set1_ps(-0.0f); }
   static V ones() { return _mm_castsi128_ps(_mm_set1_epi32(-1)); }
   static int movemask(V a) { return _mm_movemask_ps(a); }
+  using M = V;  // a compare lane is all ones or all zeros
+  static M mand(M a, M b) { return and_(a, b); }
+  static M mor(M a, M b) { return or_(a, b); }
+  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
+  static M mfalse() { return zero(); }
+  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
+  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  // v where m (resp. where not m), old elsewhere; old is what p holds
+  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
+  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
   using C = __m128i;  // per-lane counts of true compare lanes (a true lane is -1)
   static C cnt_zero() { return _mm_setzero_si128(); }
   static C cnt_add(C c, V mask) { return _mm_sub_epi32(c, _mm_castps_si128(mask)); }
@@ -221,7 +230,6 @@ struct SimdD {
   static constexpr int W = 2;
   static constexpr bool kApprox = false;
   static V rsqrt(V a) { return a; }  // unused (kApprox = false)
-  static V rcp(V a) { return a; }
   static V load(const double* p) { return _mm_loadu_pd(p); }
   static void store(double* p, V v) { _mm_storeu_pd(p, v); }
   static V set1(double v) { return _mm_set1_pd(v); }
@@ -244,6 +252,16 @@ struct SimdD {
   static V signbit() { return _mm_set1_pd(-0.0); }
   static V ones() { return _mm_castsi128_pd(_mm_set1_epi32(-1)); }
   static int movemask(V a) { return _mm_movemask_pd(a); }
+  using M = V;  // a compare lane is all ones or all zeros
+  static M mand(M a, M b) { return and_(a, b); }
+  static M mor(M a, M b) { return or_(a, b); }
+  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
+  static M mfalse() { return zero(); }
+  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
+  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  // v where m (resp. where not m), old elsewhere; old is what p holds
+  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
+  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
   using C = __m128i;
   static C cnt_zero() { return _mm_setzero_si128(); }
   static C cnt_add(C c, V mask) { return _mm_sub_epi64(c, _mm_castpd_si128(mask)); }
@@ -284,9 +302,8 @@ struct SimdF {
   using V = __m256;
   using Acc = __m256d;
   static constexpr int W = 8;
-  static constexpr bool kApprox = true;  // rsqrt / rcp (relative error <= 1.5 * 2^-12)
+  static constexpr bool kApprox = true;  // rsqrt (relative error <= 1.5 * 2^-12)
   static V rsqrt(V a) { return _mm256_rsqrt_ps(a); }
-  static V rcp(V a) { return _mm256_rcp_ps(a); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V set1(float v) { return _mm256_set1_ps(v); }
@@ -309,6 +326,16 @@ struct SimdF {
   static V signbit() { return _mm256_set1_ps(-0.0f); }
   static V ones() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
   static int movemask(V a) { return _mm256_movemask_ps(a); }
+  using M = V;  // a compare lane is all ones or all zeros
+  static M mand(M a, M b) { return and_(a, b); }
+  static M mor(M a, M b) { return or_(a, b); }
+  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
+  static M mfalse() { return zero(); }
+  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
+  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  // v where m (resp. where not m), old elsewhere; old is what p holds
+  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
+  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
   using C = __m256i;
   static C cnt_zero() { return _mm256_setzero_si256(); }
   static C cnt_add(C c, V mask) { return _mm256_sub_epi32(c, _mm256_castps_si256(mask)); }
@@ -347,7 +374,6 @@ struct SimdD {
   static constexpr int W = 4;
   static constexpr bool kApprox = false;
   static V rsqrt(V a) { return a; }  // unused (kApprox = false)
-  static V rcp(V a) { return a; }
   static V load(const double* p) { return _mm256_loadu_pd(p); }
   static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
   static V set1(double v) { return _mm256_set1_pd(v); }
@@ -370,6 +396,16 @@ struct SimdD {
   static V signbit() { return _mm256_set1_pd(-0.0); }
   static V ones() { return _mm256_castsi256_pd(_mm256_set1_epi32(-1)); }
   static int movemask(V a) { return _mm256_movemask_pd(a); }
+  using M = V;  // a compare lane is all ones or all zeros
+  static M mand(M a, M b) { return and_(a, b); }
+  static M mor(M a, M b) { return or_(a, b); }
+  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
+  static M mfalse() { return zero(); }
+  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
+  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  // v where m (resp. where not m), old elsewhere; old is what p holds
+  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
+  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
   using C = __m256i;
   static C cnt_zero() { return _mm256_setzero_si256(); }
   static C cnt_add(C c, V mask) { return _mm256_sub_epi64(c, _mm256_castpd_si256(mask)); }
@@ -402,15 +438,173 @@ struct SimdOf<double> { using type = SimdD; };
 }  // namespace avx2
 #pragma GCC pop_options
 
+// AVX-512 (F, DQ): 16 float lanes, compares into mask registers, one-uop
+// masked blends, 32 vector registers (the AVX2 element pass spilled its
+// constants to the stack and spent three uops per vblendvps on recent cores).
+// The element pass does the same IEEE operations per element as the other
+// clones (no FMA in it), so it gives the same bits.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx2,fma,popcnt,bmi")
+namespace avx512 {
+struct SimdF {
+  using T = float;
+  using V = __m512;
+  using M = __mmask16;
+  using Acc = __m512d;
+  static constexpr int W = 16;
+  static constexpr bool kApprox = true;  // rsqrt14 (relative error <= 2^-14)
+  static V rsqrt(V a) { return _mm512_maskz_rsqrt14_ps(0xFFFF, a); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V sqrt(V a) { return _mm512_maskz_sqrt_ps(0xFFFF, a); }  // maskz: see lo_pd below
+  static V min(V a, V b) { return _mm512_maskz_min_ps(0xFFFF, a, b); }
+  static M ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  static M gt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M lt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M le(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static M nlt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }
+  static V and_(V a, V b) { return _mm512_and_ps(a, b); }
+  static V or_(V a, V b) { return _mm512_or_ps(a, b); }
+  static V andnot(V a, V b) { return _mm512_andnot_ps(a, b); }  // ~a & b
+  static V blend(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }  // a where m
+  static V signbit() { return _mm512_set1_ps(-0.0f); }
+  static int movemask(M m) { return static_cast<int>(m); }
+  static M mand(M a, M b) { return static_cast<M>(a & b); }
+  static M mor(M a, M b) { return static_cast<M>(a | b); }
+  static M mandnot(M a, M b) { return static_cast<M>(~a & b); }
+  static M mfalse() { return 0; }
+  static V select(M m, V v) { return _mm512_maskz_mov_ps(m, v); }
+  static V select_not(M m, V v) { return _mm512_maskz_mov_ps(static_cast<M>(~m), v); }
+  // v where m (resp. where not m); p keeps what it holds (old) elsewhere
+  static void store_where(float* p, M m, V v, V) { _mm512_mask_storeu_ps(p, m, v); }
+  static void store_where_not(float* p, M m, V v, V) { _mm512_mask_storeu_ps(p, static_cast<M>(~m), v); }
+  using C = __m512i;
+  static C cnt_zero() { return _mm512_setzero_si512(); }
+  static C cnt_add(C c, M m) { return _mm512_mask_add_epi32(c, m, c, _mm512_set1_epi32(1)); }
+  static int64_t cnt_sum(C c) {
+    alignas(64) int32_t t[16];
+    _mm512_store_si512(t, c);
+    int64_t s = 0;
+    for (int j = 0; j < 16; ++j) s += t[j];
+    return s;
+  }
+  static void compress_store(float* dst, V v, int mask) {
+    _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(static_cast<M>(mask), v));
+  }
+  // the halves of v in double. Here and in sqrt, min and rsqrt the maskz
+  // forms with a full mask: GCC 12 warns (-Wmaybe-uninitialized) about the
+  // undefined pass-through operand of the plain intrinsics.
+  static __m512d lo_pd(V v) { return _mm512_maskz_cvtps_pd(0xFF, _mm512_maskz_extractf32x8_ps(0xFF, v, 0)); }
+  static __m512d hi_pd(V v) { return _mm512_maskz_cvtps_pd(0xFF, _mm512_maskz_extractf32x8_ps(0xFF, v, 1)); }
+  static Acc acc_zero() { return _mm512_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm512_fmadd_ps(v, v, acc); }
+  static void acc_add(Acc& acc, V v) {
+    acc = _mm512_add_pd(acc, _mm512_add_pd(lo_pd(v), hi_pd(v)));
+  }
+  static void acc_sq(Acc& acc, V v) {
+    const __m512d l = lo_pd(v), h = hi_pd(v);
+    acc = _mm512_fmadd_pd(l, l, acc);
+    acc = _mm512_fmadd_pd(h, h, acc);
+  }
+  static double acc_sum(Acc a) {
+    alignas(64) double t[8];
+    _mm512_store_pd(t, a);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+};
+struct SimdD {
+  using T = double;
+  using V = __m512d;
+  using M = __mmask8;
+  using Acc = __m512d;
+  static constexpr int W = 8;
+  static constexpr bool kApprox = false;
+  static V rsqrt(V a) { return a; }  // unused (kApprox = false)
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V set1(double v) { return _mm512_set1_pd(v); }
+  static V zero() { return _mm512_setzero_pd(); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm512_div_pd(a, b); }
+  static V sqrt(V a) { return _mm512_maskz_sqrt_pd(0xFF, a); }
+  static V min(V a, V b) { return _mm512_maskz_min_pd(0xFF, a, b); }
+  static M ge(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_GE_OQ); }
+  static M gt(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
+  static M lt(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_LT_OQ); }
+  static M le(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_LE_OQ); }
+  static M nlt(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_NLT_UQ); }
+  static V and_(V a, V b) { return _mm512_and_pd(a, b); }
+  static V or_(V a, V b) { return _mm512_or_pd(a, b); }
+  static V andnot(V a, V b) { return _mm512_andnot_pd(a, b); }
+  static V blend(M m, V a, V b) { return _mm512_mask_blend_pd(m, b, a); }
+  static V signbit() { return _mm512_set1_pd(-0.0); }
+  static int movemask(M m) { return static_cast<int>(m); }
+  static M mand(M a, M b) { return static_cast<M>(a & b); }
+  static M mor(M a, M b) { return static_cast<M>(a | b); }
+  static M mandnot(M a, M b) { return static_cast<M>(~a & b); }
+  static M mfalse() { return 0; }
+  static V select(M m, V v) { return _mm512_maskz_mov_pd(m, v); }
+  static V select_not(M m, V v) { return _mm512_maskz_mov_pd(static_cast<M>(~m), v); }
+  static void store_where(double* p, M m, V v, V) { _mm512_mask_storeu_pd(p, m, v); }
+  static void store_where_not(double* p, M m, V v, V) { _mm512_mask_storeu_pd(p, static_cast<M>(~m), v); }
+  using C = __m512i;
+  static C cnt_zero() { return _mm512_setzero_si512(); }
+  static C cnt_add(C c, M m) { return _mm512_mask_add_epi64(c, m, c, _mm512_set1_epi64(1)); }
+  static int64_t cnt_sum(C c) {
+    alignas(64) int64_t t[8];
+    _mm512_store_si512(t, c);
+    int64_t s = 0;
+    for (int j = 0; j < 8; ++j) s += t[j];
+    return s;
+  }
+  static void compress_store(double* dst, V v, int mask) {
+    _mm512_storeu_pd(dst, _mm512_maskz_compress_pd(static_cast<M>(mask), v));
+  }
+  static Acc acc_zero() { return _mm512_setzero_pd(); }
+  static V sq_add(V acc, V v) { return _mm512_fmadd_pd(v, v, acc); }
+  static void acc_add(Acc& acc, V v) { acc = _mm512_add_pd(acc, v); }
+  static void acc_sq(Acc& acc, V v) { acc = _mm512_fmadd_pd(v, v, acc); }
+  static double acc_sum(Acc a) {
+    alignas(64) double t[8];
+    _mm512_store_pd(t, a);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+};
+template <typename T>
+struct SimdOf;
+template <>
+struct SimdOf<float> { using type = SimdF; };
+template <>
+struct SimdOf<double> { using type = SimdD; };
+#include "prunadag_kernels.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
 bool use_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
 
+// AVX-512 unless PRUNOPT_NO_AVX512 is set (tests compare the clones).
+bool use_avx512() {
+  static const bool ok = use_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return ok && std::getenv("PRUNOPT_NO_AVX512") == nullptr;
+}
+
 template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
 void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
     scalar_t* cg, scalar_t* cx) {
-  if (use_avx2()) {
+  if (use_avx512()) {
+    avx512::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
+  } else if (use_avx2()) {
     avx2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
   } else {
     sse2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
@@ -419,7 +613,9 @@ void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi
 
 template <typename scalar_t, bool kWd, bool kNeg, bool kAcc, bool kB>
 void update_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
-  if (use_avx2()) {
+  if (use_avx512()) {
+    avx512::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
+  } else if (use_avx2()) {
     avx2::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
   } else {
     sse2::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
@@ -481,6 +677,9 @@ void update_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, in
 template <typename scalar_t>
 void norms_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double& g_r2, double& x_m2) {
 #if defined(PRUNOPT_PRUNADAG_X86)
+  if (use_avx512()) {
+    return avx512::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
+  }
   if (use_avx2()) {
     return avx2::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
   }

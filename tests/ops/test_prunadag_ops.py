@@ -371,11 +371,15 @@ def test_step_large_nonfinite_raises_before_writing():
 
 # ---------------------------------------------------------------- the float32 element pass's shortcut
 #
-# For float32 the vectorised element pass decides dec = a (eq. 2.16) from a
-# lower bound of sl built with rsqrt/rcp and skips the exact second sqrt and
-# division when every sign-matched lane is surely a < sl. The result must be
-# bit for bit that of the scalar formula (update_one), including lanes placed
-# right at a = sl, tiny and huge accumulators, and eps = 0.
+# For float32 the vectorised element pass decides the acceptance test
+# a <= |st| <= b (eq. 2.8) from an estimate of |st| built with rsqrt, and then
+# computes only the quotient each lane needs (st where optimised, sl where
+# decreased): one sqrt and one division per lane instead of two. Vectors with
+# an undecided lane are computed exactly. The result must be bit for bit that
+# of the scalar formula (update_one), including lanes placed right at a = |st|
+# and |st| = b, accumulators around the estimate's cut (eps^2 2^22), tiny and
+# huge accumulators, and eps = 0; on every SIMD clone (PRUNOPT_NO_AVX512 picks
+# the AVX2 one on an AVX-512 host).
 
 def _update_np(x, so, sd, g, tau, lr, lr1, eps, version):
     """update_one (csrc/include/prunopt/prunadag.h) in numpy (x's dtype), operation by operation."""
@@ -468,3 +472,82 @@ def test_step_float32_shortcut_is_exact(version, eps):
     expected = _update_np(x, so, sd, g, tau, lr, lr1, eps, version)
     for got, exp in zip(out, expected):
         assert torch.equal(got, torch.from_numpy(exp))
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["default", "no_avx512"])
+@pytest.mark.parametrize("version", [2, 4])
+@pytest.mark.parametrize("eps", [1e-10, 0.0, 1e-3])
+def test_step_float32_acceptance_estimate_is_exact(version, eps, isa, monkeypatch):
+    import numpy as np
+    if isa == "no_avx512":
+        monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+    else:
+        monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+    rng = np.random.default_rng(2)
+    n = 64 * 1024 + 11
+    f = np.float32
+    lr, lr1 = 0.3, 0.3 / 8.0
+    g = (rng.standard_normal(n) * 0.5).astype(f)  # |g| < tau for most lanes: M is large
+    so = (rng.random(n) * 2 + 0.01).astype(f)
+    # so_new around the estimate's cut eps^2 2^22 (eps = 1e-3: 4.19): both sides
+    cut = eps * eps * 2.0 ** 22
+    if cut > 0:
+        k = rng.choice(n, n // 8, replace=False)
+        so[k] = (cut * (1 + rng.choice([-1e-3, -1e-7, 0.0, 1e-7, 1e-3], k.size)) - g[k].astype(np.float64) ** 2
+                 ).clip(0).astype(f)
+    so_new = (so + g * g).astype(np.float64)
+    st = lr * np.abs(g.astype(np.float64)) / (np.sqrt(so_new) + eps)
+    # |x| placed so that a = lr1 |x| or b = |x| sits at |st| (1 + off)
+    off = rng.choice([0.0, 1e-7, -1e-7, 6e-8, -6e-8, 1e-5, -1e-5, 1e-3, -1e-3, 2e-3, -2e-3, 0.5, -0.5], n)
+    which = rng.integers(0, 3, n)  # 0: at a, 1: at b, 2: random
+    ax = np.where(which == 0, st * (1 + off) / lr1, np.where(which == 1, st * (1 + off), np.abs(rng.standard_normal(n))))
+    x = (ax * np.where(rng.random(n) < 0.85, np.sign(g), -np.sign(g))).astype(f)  # mostly sign-matched
+    sd = (rng.random(n) + 0.01).astype(f)
+    # extremes: zero, denormal and huge accumulators, zero gradients, tiny and huge parameters
+    idx = rng.choice(n, 600, replace=False)
+    so[idx[:80]] = 0.0
+    so[idx[80:160]] = 1e-41
+    so[idx[160:240]] = 3e38
+    g[idx[240:320]] = 0.0
+    g[idx[320:400]] = 1e-30
+    x[idx[400:480]] = 1e-30
+    x[idx[480:560]] = 1e15
+    so[idx[560:600]] = 1e-41
+    g[idx[560:600]] = 1e-25
+    T = n // 20
+    tau = np.sort(np.abs(g))[-T]
+    hyper = torch.tensor([[lr, lr1, 0.0, eps, 0.0, 1.0]], dtype=torch.float64)
+    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
+    expected = _update_np(x, so, sd, g, tau, lr, lr1, eps, version)
+    for got, exp in zip(out, expected):
+        assert torch.equal(got, torch.from_numpy(exp))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("version", [0, 2, 3, 4])
+def test_step_simd_clones_agree(dtype, version, monkeypatch):
+    """The AVX-512 and AVX2 clones of the scan and the element pass (same
+    operations per element) give the same bits for versions 2 and 4; versions
+    that use the ratio r of two norms summed in SIMD lanes (relevant_only, 1,
+    3) agree to rounding (the lanes' summation order differs)."""
+    xs, gs, so, sd = _large_step_case("list", dtype, seed=5)
+    hypers = [TensorHyper(lr=0.3, k=2.0, lr_decay=0.1, weight_decay=0.01, eps=1e-8, maximize=False) for _ in xs]
+    n = sum(x.numel() for x in xs)
+    outs = []
+    for isa in ("default", "no_avx512"):
+        if isa == "no_avx512":
+            monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+        else:
+            monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+        out = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+        torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], gs, _hyper_tensor(hypers), n // 10, version)
+        outs.append(out)
+    for la, lb in zip(*outs):
+        for a, b in zip(la, lb):
+            if version in (2, 4):
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0.0)
