@@ -153,6 +153,19 @@ void for_each_chunk(int64_t total, F&& body) {
 }
 
 // ---------------------------------------------------------------- SIMD kernels
+// The scan's ||x||^2 leaves out |x| < kXMin, whose squares could be denormal
+// (float: x^2 >= 2^-120 > FLT_MIN = 2^-126 for the others).
+template <typename T>
+struct NormGuard;
+template <>
+struct NormGuard<float> {
+  static constexpr float kXMin = 0x1p-60f;
+};
+template <>
+struct NormGuard<double> {
+  static constexpr double kXMin = 0x1p-500;
+};
+
 
 #if defined(PRUNOPT_PRUNADAG_X86)
 namespace sse2 {
@@ -192,6 +205,7 @@ struct SimdF {
   static M mfalse() { return zero(); }
   static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
   static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
   // v where m (resp. where not m), old elsewhere; old is what p holds
   static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
   static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
@@ -259,6 +273,7 @@ struct SimdD {
   static M mfalse() { return zero(); }
   static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
   static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
   // v where m (resp. where not m), old elsewhere; old is what p holds
   static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
   static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
@@ -333,6 +348,7 @@ struct SimdF {
   static M mfalse() { return zero(); }
   static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
   static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
   // v where m (resp. where not m), old elsewhere; old is what p holds
   static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
   static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
@@ -403,6 +419,7 @@ struct SimdD {
   static M mfalse() { return zero(); }
   static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
   static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
+  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
   // v where m (resp. where not m), old elsewhere; old is what p holds
   static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
   static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
@@ -504,6 +521,7 @@ struct SimdF {
   static __m512d hi_pd(V v) { return _mm512_maskz_cvtps_pd(0xFF, _mm512_maskz_extractf32x8_ps(0xFF, v, 1)); }
   static Acc acc_zero() { return _mm512_setzero_pd(); }
   static V sq_add(V acc, V v) { return _mm512_fmadd_ps(v, v, acc); }
+  static V sq_add_where(V acc, M m, V v) { return _mm512_mask3_fmadd_ps(v, v, acc, m); }
   static void acc_add(Acc& acc, V v) {
     acc = _mm512_add_pd(acc, _mm512_add_pd(lo_pd(v), hi_pd(v)));
   }
@@ -570,6 +588,7 @@ struct SimdD {
   }
   static Acc acc_zero() { return _mm512_setzero_pd(); }
   static V sq_add(V acc, V v) { return _mm512_fmadd_pd(v, v, acc); }
+  static V sq_add_where(V acc, M m, V v) { return _mm512_mask3_fmadd_pd(v, v, acc, m); }
   static void acc_add(Acc& acc, V v) { acc = _mm512_add_pd(acc, v); }
   static void acc_sq(Acc& acc, V v) { acc = _mm512_fmadd_pd(v, v, acc); }
   static double acc_sum(Acc a) {
@@ -1140,14 +1159,19 @@ Selected select_scope(const std::vector<Seg>& segs, int64_t total, int64_t n, in
   if (k <= 0 || sampling_enabled()) {
     const Selected s = sampled_select<scalar_t, kX, kNorms>(segs, total, n, k, op, what, tau);
     if (s.ok) {
-      if constexpr (kNorms && std::is_same<scalar_t, float>::value) {
+      if constexpr (kNorms) {
         // The scan sums ||g||^2 over the surely relevant elements in short
         // float blocks, where squares of |g| < ~1e-19 are denormal and of
         // |g| < ~1e-23 are 0 (vanishing gradients). Each element loses less
         // than 2^-126, so below n 2^-102 the loss could exceed 2^-24 of the
-        // sum: then both norms are taken again in double (a pass over g and x;
-        // never for gradients of ordinary size).
-        if (s.g_r2 < static_cast<double>(n) * 0x1p-102) {
+        // sum. ||x||^2 leaves out squares below NormGuard::kXMin^2, which
+        // could exceed 2^-24 (2^-53) of the sum below n kXMin^2 2^24 (2^53).
+        // Then both norms are taken again in double (a pass over g and x;
+        // never for parameters and gradients of ordinary size).
+        constexpr double kXMin = NormGuard<scalar_t>::kXMin;
+        constexpr bool kFloat = std::is_same<scalar_t, float>::value;
+        const double nd = static_cast<double>(n);
+        if ((kFloat && s.g_r2 < nd * 0x1p-102) || s.x_m2 < nd * kXMin * kXMin * (kFloat ? 0x1p24 : 0x1p53)) {
           return exact_norms<scalar_t>(segs, total, tau);
         }
       }
