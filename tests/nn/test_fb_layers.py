@@ -501,3 +501,73 @@ def test_eval_with_torch_prune_reparametrisation():
         ref = fb_conv2d_reference(x, layer.coefficients_orig * layer.coefficients_mask, layer.basis.weight,
                                   layer.mask, layer.bias, padding=1)
         torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("density", [0.02, 1.0])  # the sparse op and the dense filters
+def test_eval_fast_path_follows_every_change(density, monkeypatch):
+    """After one eval call without gradients, a repeated call with an input of
+    the same shape takes the fast path (no _inference_forward); any change the
+    full path depends on sends the call the full way again."""
+    torch.manual_seed(0)
+    layer = FBConv2d(16, 16, 3, padding=1, basis=FilterBasis(3, init="orthonormal")).eval()
+    layer.mask.bernoulli_(density, generator=_gen())
+    x = torch.randn(1, 16, 6, 6)
+
+    def ref(inp=x):
+        return fb_conv2d_reference(inp, layer.coefficients, layer.basis.weight, layer.mask, layer.bias,
+                                   stride=layer.stride, padding=1)
+
+    full = FBConv2d._inference_forward
+    calls = []
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return full(self, *a, **k)
+
+    monkeypatch.setattr(FBConv2d, "_inference_forward", counting)
+
+    def check(expect_full, inp=x):
+        n = len(calls)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(inp), ref(inp), atol=2e-5, rtol=0)
+        assert len(calls) - n == int(expect_full)
+
+    check(True)
+    check(False)  # the fast path
+    check(False)
+    with torch.no_grad():
+        layer.coefficients.mul_(-0.5)  # in place
+    check(True)
+    check(False)
+    layer.mask.bernoulli_(density, generator=_gen(3))
+    check(True)
+    layer.mask = torch.ones_like(layer.mask)  # replaced
+    check(True)
+    with torch.no_grad():
+        layer.basis.weight.mul_(2)  # a (shared) basis updated in place
+    check(True)
+    layer.basis = FilterBasis(3, init="random")  # another basis
+    check(True)
+    with torch.no_grad():
+        layer.bias.add_(1.0)  # bias in place: read at call time
+    check(False)
+    layer.bias = torch.nn.Parameter(torch.randn(16))  # replaced
+    check(True)
+    layer.stride = (2, 2)
+    check(True)
+    check(False)
+    check(True, torch.randn(1, 16, 7, 7))  # another shape
+    check(True, x[0])  # unbatched
+    check(False, x[0])
+    layer.train()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref(), atol=2e-5, rtol=0)
+    layer.eval()
+    with torch.enable_grad():  # gradients: the training path, not the cache
+        y = layer(x)
+        assert y.requires_grad
+        torch.testing.assert_close(y.detach(), ref().detach(), atol=2e-5, rtol=0)
+    check(False, x[0])
+    with pytest.raises(ValueError, match="input"):  # errors still come from the full path
+        with torch.no_grad():
+            layer(torch.randn(1, 5, 6, 6))
