@@ -25,6 +25,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -406,7 +409,57 @@ struct DirectChannel {
   int lwz;
   scalar_t* zc;
   const MaskInt<scalar_t>* const* masks;  // non-null: the flat layout (xp, off = the flat image, shifts)
+  const scalar_t* g4 = nullptr;  // non-null: maps_p4 (its coefficient vectors)
+  const scalar_t* xc = nullptr;  // maps_p4: the channel itself, and per tap the lanes it reads
+  const uint16_t* p4mask = nullptr;
 };
+
+// The flat layout with P = 4 outputs (a 2x2 image), float, 3x3 taps, N <= 16,
+// AVX-512: a 4-lane chunk per map left 3/4 of each vector idle and cost a
+// group dispatch per 4 outputs. Here one 16-lane vector holds 4 maps x 4
+// outputs, which is exactly Z[c, 4q .. 4q + 3, 0 .. 3] (Wz = 4): tap k of the
+// channel, 4 values read from the input itself with a zeroing masked load
+// (the lanes outside the image or across a row's edge are 0, as the padded
+// copy holds; the copy is skipped: loads that straddle its fresh stores
+// waited on store forwarding), is repeated 4 times and multiplied by
+// g4[q, k] = (g[4q, k] x4, g[4q+1, k] x4, ...), summed from zero in tap order
+// as in maps_direct_group, so with the same bits. Every map of the channel is
+// written (Z has their room; the mix reads only the used ones).
+constexpr int kP4MaxBlocks = 4;  // N <= 16
+#ifdef PRUNOPT_X86_DISPATCH
+template <int NB>
+__attribute__((always_inline, target("avx512f,avx2,fma"))) inline void maps_p4_blocks(
+    const DirectChannel<float>& a) {
+  const int64_t N = a.G->n;
+  constexpr int64_t K = 9;
+  __m512 acc[NB];  // NB a constant: the sums stay in registers (a run-time count kept them on the stack)
+  for (int q = 0; q < NB; ++q) acc[q] = _mm512_setzero_ps();
+  // (no lambda here: a lambda does not inherit the target attribute)
+#pragma GCC unroll 9
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 v = _mm512_maskz_loadu_ps(a.p4mask[k], a.xc + a.off[k]);
+    const __m512 sb = _mm512_maskz_shuffle_f32x4(0xFFFF, v, v, 0);  // lanes 0-3 four times
+    for (int q = 0; q < NB; ++q) acc[q] = _mm512_fmadd_ps(sb, _mm512_loadu_ps(a.g4 + (q * K + k) * 16), acc[q]);
+  }
+  for (int q = 0; q < NB; ++q) {
+    const int64_t m = std::min<int64_t>(4, N - 4 * q);  // maps in this block
+    _mm512_mask_storeu_ps(a.zc + 16 * q, static_cast<__mmask16>((1u << (4 * m)) - 1), acc[q]);
+  }
+}
+__attribute__((always_inline, target("avx512f,avx2,fma"))) inline void maps_p4(const DirectChannel<float>& a) {
+  switch ((a.G->n + 3) / 4) {
+    case 1: maps_p4_blocks<1>(a); break;
+    case 2: maps_p4_blocks<2>(a); break;
+    case 3: maps_p4_blocks<3>(a); break;
+    default: maps_p4_blocks<kP4MaxBlocks>(a); break;
+  }
+}
+#endif
+template <typename scalar_t>
+bool use_maps_p4(const Geometry& G, bool identity) {
+  return std::is_same<scalar_t, float>::value && use_flat_layout<scalar_t>(G) && G.p() == 4 && !identity &&
+      G.kh * G.kw == 9 && G.n <= 4 * kP4MaxBlocks;
+}
 template <typename scalar_t, int W, int kMaxBytes>
 __attribute__((always_inline)) inline void maps_direct_any(const DirectChannel<scalar_t>& a) {
   if (a.masks) {
@@ -430,6 +483,12 @@ __attribute__((noinline, target("avx2,fma"), optimize("fp-contract=fast"))) void
 template <typename scalar_t, int W>
 __attribute__((noinline, target("avx512f,avx2,fma"), optimize("fp-contract=fast"))) void maps_direct_avx512(
     const DirectChannel<scalar_t>& a) {
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (a.g4) {
+      maps_p4(a);
+      return;
+    }
+  }
   maps_direct_any<scalar_t, W, 64>(a);
 }
 #endif
@@ -491,6 +550,23 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   int lwz = 0;
   while ((int64_t(1) << lwz) < Wz) ++lwz;
   std::vector<scalar_t> rowbuf(P + kTile);
+  std::vector<scalar_t> g4;  // maps_p4's coefficient vectors and tap lanes (AVX-512 clone only)
+  std::vector<uint16_t> p4mask;
+  if (kIsa == 2 && direct && use_maps_p4<scalar_t>(G, identity)) {
+    const int64_t nb = (N + 3) / 4;
+    g4.assign(nb * K * 16, scalar_t(0));
+    for (int64_t q = 0; q < nb; ++q)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t m = 0; m < 4 && 4 * q + m < N; ++m)
+          for (int64_t j = 0; j < 4; ++j) g4[(q * K + k) * 16 + m * 4 + j] = gs[(4 * q + m) * K + k];
+    p4mask.assign(K, 0);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t q = 0; q < 4; ++q) {
+        const int64_t src = q + offs[k];
+        if (src >= 0 && src < G.h * G.w && (masks[k] == nullptr || masks[k][q] != 0))
+          p4mask[k] |= static_cast<uint16_t>(1u << q);
+      }
+  }
   auto store = [&](int64_t b, int64_t c, int64_t n, const scalar_t* row) __attribute__((always_inline)) {
     for (int64_t tl = 0; tl < T; ++tl) {
       const int64_t p0 = tl * Wz, len = std::min<int64_t>(Wz, P - p0);
@@ -506,7 +582,9 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
     if (!any) continue;
     if (direct) {
       scalar_t* xp = colbuf.data();
-      if (flat) {
+      if (!g4.empty()) {
+        // maps_p4 reads the channel itself (no copy)
+      } else if (flat) {
         xp += front;
         std::memcpy(xp, xc, G.h * G.w * sizeof(scalar_t));
       } else {
@@ -517,7 +595,8 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
       for (int64_t n = 0; n < N; ++n)
         if (uc[n]) un[nu++] = static_cast<int32_t>(n);
       const DirectChannel<scalar_t> dc{xp, offs.data(), K, gs, identity, un, nu, &G, Wp, Wz, lwz,
-          z + ((b * T * G.c_in + c) * N) * Wz, flat ? masks.data() : nullptr};
+          z + ((b * T * G.c_in + c) * N) * Wz, flat ? masks.data() : nullptr, g4.empty() ? nullptr : g4.data(), xc,
+          p4mask.empty() ? nullptr : p4mask.data()};
 #ifdef PRUNOPT_X86_DISPATCH
       if constexpr (kIsa == 2) {
         maps_direct_avx512<scalar_t, W>(dc);

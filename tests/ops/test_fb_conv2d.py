@@ -146,6 +146,36 @@ def test_sparse_path_avx512_clone_matches_avx2(dtype, monkeypatch):
         torch.testing.assert_close(y512.double(), exact, **_tol(dtype, 30.0))
 
 
+@needs_ext
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU")
+@pytest.mark.parametrize("n", [1, 4, 5, 9, 13, 16, 17])
+def test_sparse_path_four_output_maps_match_on_both_clones(n, monkeypatch):
+    """Float32, 3x3 taps, stride 1 and a 2x2 output (P = 4): the AVX-512 clone
+    computes 4 maps x 4 outputs per 16-lane vector from masked loads of the
+    channel itself (N <= 16; N = 17 takes the general loop). Padding in one or
+    both directions, a taller input, dilation and every mask density; the same
+    bits as the AVX2 clone and the float64 reference's values."""
+    g = torch.Generator().manual_seed(n)
+    for (h, w), padding, dilation in [((2, 2), (1, 1), (1, 1)), ((4, 2), (0, 1), (1, 1)), ((2, 2), (1, 2), (1, 2)),
+                                      ((2, 2), (2, 2), (2, 2)), ((6, 2), (0, 1), (2, 1))]:
+        x = torch.randn(3, 20, h, w, generator=g)
+        coeff = torch.randn(24, 20, n, generator=g)
+        basis = torch.randn(n, 3, 3, generator=g)
+        for density in (0.05, 0.5, 1.0):
+            mask = (torch.rand(coeff.shape, generator=g) < density).float()
+            bias = torch.randn(24, generator=g)
+            args = (x, coeff, basis, mask, bias, [1, 1], list(padding), list(dilation), 1, 1.0)
+            monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+            y512 = torch.ops.prunopt.fb_conv2d(*args)
+            monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+            y256 = torch.ops.prunopt.fb_conv2d(*args)
+            assert y512.shape[-2:] == (2, 2)
+            assert torch.equal(y512, y256), ((h, w), padding, dilation, density)
+            exact = fb_conv2d_reference(x.double(), coeff.double(), basis.double(), mask.double(), bias.double(), 1,
+                                        padding, dilation)
+            torch.testing.assert_close(y512.double(), exact, **_tol(torch.float32, 30.0))
+
+
 def test_both_paths_have_the_same_gradients():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, 7, 6, generator=g, dtype=torch.float64, requires_grad=True)
