@@ -409,49 +409,66 @@ struct DirectChannel {
   int lwz;
   scalar_t* zc;
   const MaskInt<scalar_t>* const* masks;  // non-null: the flat layout (xp, off = the flat image, shifts)
-  const scalar_t* g4 = nullptr;  // non-null: maps_p4 (its coefficient vectors)
-  const scalar_t* xc = nullptr;  // maps_p4: the channel itself, and per tap the lanes it reads
-  const uint16_t* p4mask = nullptr;
 };
 
 // The flat layout with P = 4 outputs (a 2x2 image), float, 3x3 taps, N <= 16,
 // AVX-512: a 4-lane chunk per map left 3/4 of each vector idle and cost a
 // group dispatch per 4 outputs. Here one 16-lane vector holds 4 maps x 4
-// outputs, which is exactly Z[c, 4q .. 4q + 3, 0 .. 3] (Wz = 4): tap k of the
-// channel, 4 values read from the input itself with a zeroing masked load
-// (the lanes outside the image or across a row's edge are 0, as the padded
-// copy holds; the copy is skipped: loads that straddle its fresh stores
-// waited on store forwarding), is repeated 4 times and multiplied by
-// g4[q, k] = (g[4q, k] x4, g[4q+1, k] x4, ...), summed from zero in tap order
-// as in maps_direct_group, so with the same bits. Every map of the channel is
-// written (Z has their room; the mix reads only the used ones).
+// outputs, which is exactly Z[c, 4q .. 4q + 3, 0 .. 3] (Wz = 4, one tile, so
+// channel c's maps are at z + 4 N c): tap k of the channel, 4 values read
+// from the input itself with a zeroing masked load (the lanes outside the
+// image or across a row's edge are 0, as the padded copy holds; the copy is
+// skipped: loads that straddle its fresh stores waited on store forwarding),
+// is repeated 4 times and multiplied by g4[q, k] = (g[4q, k] x4,
+// g[4q+1, k] x4, ...), summed from zero in tap order as in maps_direct_group,
+// so with the same bits. Each sum is a chain of 9 dependent FMAs, so CH = 4
+// channels go side by side (one channel per call waited on that latency:
+// 512 channels 9.4 -> see docs). Every map of every channel is written (Z has
+// their room; the mix reads only the used ones).
 constexpr int kP4MaxBlocks = 4;  // N <= 16
 #ifdef PRUNOPT_X86_DISPATCH
-template <int NB>
-__attribute__((always_inline, target("avx512f,avx2,fma"))) inline void maps_p4_blocks(
-    const DirectChannel<float>& a) {
-  const int64_t N = a.G->n;
+template <int NB, int CH>
+__attribute__((always_inline, target("avx512f,avx2,fma"))) inline void maps_p4_channels(
+    const float* x, int64_t xs, float* z, int64_t N, const float* g4, const int64_t* off, const uint16_t* pm) {
   constexpr int64_t K = 9;
-  __m512 acc[NB];  // NB a constant: the sums stay in registers (a run-time count kept them on the stack)
-  for (int q = 0; q < NB; ++q) acc[q] = _mm512_setzero_ps();
+  __m512 acc[CH][NB];  // constant counts: the sums stay in registers
+  for (int ch = 0; ch < CH; ++ch)
+    for (int q = 0; q < NB; ++q) acc[ch][q] = _mm512_setzero_ps();
   // (no lambda here: a lambda does not inherit the target attribute)
 #pragma GCC unroll 9
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 v = _mm512_maskz_loadu_ps(a.p4mask[k], a.xc + a.off[k]);
-    const __m512 sb = _mm512_maskz_shuffle_f32x4(0xFFFF, v, v, 0);  // lanes 0-3 four times
-    for (int q = 0; q < NB; ++q) acc[q] = _mm512_fmadd_ps(sb, _mm512_loadu_ps(a.g4 + (q * K + k) * 16), acc[q]);
+    const __mmask16 m = pm[k];
+    __m512 sb[CH];
+    for (int ch = 0; ch < CH; ++ch) {
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + xs * ch + off[k]);
+      sb[ch] = _mm512_maskz_shuffle_f32x4(0xFFFF, v, v, 0);  // lanes 0-3 four times
+    }
+    for (int q = 0; q < NB; ++q) {
+      const __m512 gv = _mm512_loadu_ps(g4 + (q * K + k) * 16);
+      for (int ch = 0; ch < CH; ++ch) acc[ch][q] = _mm512_fmadd_ps(sb[ch], gv, acc[ch][q]);
+    }
   }
-  for (int q = 0; q < NB; ++q) {
-    const int64_t m = std::min<int64_t>(4, N - 4 * q);  // maps in this block
-    _mm512_mask_storeu_ps(a.zc + 16 * q, static_cast<__mmask16>((1u << (4 * m)) - 1), acc[q]);
-  }
+  for (int ch = 0; ch < CH; ++ch)
+    for (int q = 0; q < NB; ++q) {
+      const int64_t m = std::min<int64_t>(4, N - 4 * q);  // maps in this block
+      _mm512_mask_storeu_ps(z + 4 * N * ch + 16 * q, static_cast<__mmask16>((1u << (4 * m)) - 1), acc[ch][q]);
+    }
 }
-__attribute__((always_inline, target("avx512f,avx2,fma"))) inline void maps_p4(const DirectChannel<float>& a) {
-  switch ((a.G->n + 3) / 4) {
-    case 1: maps_p4_blocks<1>(a); break;
-    case 2: maps_p4_blocks<2>(a); break;
-    case 3: maps_p4_blocks<3>(a); break;
-    default: maps_p4_blocks<kP4MaxBlocks>(a); break;
+template <int NB>
+__attribute__((noinline, target("avx512f,avx2,fma"))) void maps_p4_range_nb(
+    const float* x, int64_t xs, float* z, int64_t count, int64_t N, const float* g4, const int64_t* off, const uint16_t* pm) {
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) maps_p4_channels<NB, 4>(x + xs * i, xs, z + 4 * N * i, N, g4, off, pm);
+  for (; i < count; ++i) maps_p4_channels<NB, 1>(x + xs * i, xs, z + 4 * N * i, N, g4, off, pm);
+}
+// channels [0, count) of x (xs = H W values each) into z (4 N values each)
+inline void maps_p4_range(
+    const float* x, int64_t xs, float* z, int64_t count, int64_t N, const float* g4, const int64_t* off, const uint16_t* pm) {
+  switch ((N + 3) / 4) {
+    case 1: maps_p4_range_nb<1>(x, xs, z, count, N, g4, off, pm); break;
+    case 2: maps_p4_range_nb<2>(x, xs, z, count, N, g4, off, pm); break;
+    case 3: maps_p4_range_nb<3>(x, xs, z, count, N, g4, off, pm); break;
+    default: maps_p4_range_nb<kP4MaxBlocks>(x, xs, z, count, N, g4, off, pm); break;
   }
 }
 #endif
@@ -483,12 +500,6 @@ __attribute__((noinline, target("avx2,fma"), optimize("fp-contract=fast"))) void
 template <typename scalar_t, int W>
 __attribute__((noinline, target("avx512f,avx2,fma"), optimize("fp-contract=fast"))) void maps_direct_avx512(
     const DirectChannel<scalar_t>& a) {
-  if constexpr (std::is_same<scalar_t, float>::value) {
-    if (a.g4) {
-      maps_p4(a);
-      return;
-    }
-  }
   maps_direct_any<scalar_t, W, 64>(a);
 }
 #endif
@@ -552,7 +563,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
   std::vector<scalar_t> rowbuf(P + kTile);
   std::vector<scalar_t> g4;  // maps_p4's coefficient vectors and tap lanes (AVX-512 clone only)
   std::vector<uint16_t> p4mask;
-  if (kIsa == 2 && direct && use_maps_p4<scalar_t>(G, identity)) {
+  if (kIsa == 2 && direct && use_maps_p4<scalar_t>(G, identity) && Wz == 4 && T == 1) {
     const int64_t nb = (N + 3) / 4;
     g4.assign(nb * K * 16, scalar_t(0));
     for (int64_t q = 0; q < nb; ++q)
@@ -567,6 +578,14 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
           p4mask[k] |= static_cast<uint16_t>(1u << q);
       }
   }
+#ifdef PRUNOPT_X86_DISPATCH
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (!g4.empty()) {  // Z[bc] = z + 4 N bc: the range is one run of channels
+      maps_p4_range(x + t0 * G.h * G.w, G.h * G.w, z + t0 * N * 4, t1 - t0, N, g4.data(), offs.data(), p4mask.data());
+      return;
+    }
+  }
+#endif
   auto store = [&](int64_t b, int64_t c, int64_t n, const scalar_t* row) __attribute__((always_inline)) {
     for (int64_t tl = 0; tl < T; ++tl) {
       const int64_t p0 = tl * Wz, len = std::min<int64_t>(Wz, P - p0);
@@ -582,9 +601,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
     if (!any) continue;
     if (direct) {
       scalar_t* xp = colbuf.data();
-      if (!g4.empty()) {
-        // maps_p4 reads the channel itself (no copy)
-      } else if (flat) {
+      if (flat) {
         xp += front;
         std::memcpy(xp, xc, G.h * G.w * sizeof(scalar_t));
       } else {
@@ -595,8 +612,7 @@ __attribute__((always_inline)) inline void maps_body(const MapsArgs<scalar_t>& A
       for (int64_t n = 0; n < N; ++n)
         if (uc[n]) un[nu++] = static_cast<int32_t>(n);
       const DirectChannel<scalar_t> dc{xp, offs.data(), K, gs, identity, un, nu, &G, Wp, Wz, lwz,
-          z + ((b * T * G.c_in + c) * N) * Wz, flat ? masks.data() : nullptr, g4.empty() ? nullptr : g4.data(), xc,
-          p4mask.empty() ? nullptr : p4mask.data()};
+          z + ((b * T * G.c_in + c) * N) * Wz, flat ? masks.data() : nullptr};
 #ifdef PRUNOPT_X86_DISPATCH
       if constexpr (kIsa == 2) {
         maps_direct_avx512<scalar_t, W>(dc);
@@ -790,8 +806,18 @@ at::Tensor sparse_forward(const at::Tensor& input, const at::Tensor& crow, const
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, const Geometry& G) {
   auto y = at::empty({G.batch, G.c_out, G.ho, G.wo}, input.options());
   auto x = input.contiguous();
-  auto g = basis.to(at::kDouble).contiguous();
-  const double* gp = g.data_ptr<double>();
+  // the basis in double: a few hundred values, converted here rather than by
+  // basis.to(kDouble) (an allocation and a dispatched copy: ~2 us of a small
+  // layer's ~40 us)
+  std::vector<double> gd(static_cast<size_t>(basis.numel()));
+  {
+    const auto bc = basis.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bc.scalar_type(), "fb_conv2d_basis", [&] {
+      const scalar_t* s = bc.data_ptr<scalar_t>();
+      for (size_t i = 0; i < gd.size(); ++i) gd[i] = static_cast<double>(s[i]);
+    });
+  }
+  const double* gp = gd.data();
   // the standard basis (Alg. A1) in its natural order: Z is the im2col itself
   bool identity = G.n == G.kh * G.kw;
   for (int64_t n = 0; identity && n < G.n; ++n)
