@@ -423,8 +423,8 @@ struct DirectChannel {
 // g[4q+1, k] x4, ...), summed from zero in tap order as in maps_direct_group,
 // so with the same bits. Each sum is a chain of 9 dependent FMAs, so CH = 4
 // channels go side by side (one channel per call waited on that latency:
-// 512 channels 9.4 -> see docs). Every map of every channel is written (Z has
-// their room; the mix reads only the used ones).
+// 512 channels, 1 thread, perf: 9.4 -> 5.1 us). Every map of every channel is
+// written (Z has their room; the mix reads only the used ones).
 constexpr int kP4MaxBlocks = 4;  // N <= 16
 #ifdef PRUNOPT_X86_DISPATCH
 template <int NB, int CH>
