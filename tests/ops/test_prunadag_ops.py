@@ -402,6 +402,19 @@ def _update_np(x, so, sd, g, tau, lr, lr1, eps, version):
     return np.where(opt, x + s, xd), np.where(opt, so_new, so), np.where(opt, sd, sd_new)
 
 
+def _assert_step_equals_numpy(x, so, sd, g, T, lr, lr1, eps, version):
+    """One kernel step on (x, so, sd, g) with T relevant elements is
+    bitwise the element-wise numpy formula (_update_np) at the exact tau."""
+    import numpy as np
+    tau = np.sort(np.abs(g))[-T]
+    hyper = torch.tensor([[lr, lr1, 0.0, eps, 0.0, 1.0]], dtype=torch.float64)
+    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
+    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
+    expected = _update_np(x, so, sd, g, tau, lr, lr1, eps, version)
+    for got, exp in zip(out, expected):
+        assert torch.equal(got, torch.from_numpy(exp))
+
+
 @needs_ext
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("version", [2, 4])
@@ -429,13 +442,7 @@ def test_step_tiny_parameters_are_exact(dtype, version):
     x, sd = x.astype(dtype), sd.astype(dtype)
     lr, lr1 = 0.3, 0.01
     T = n // 10
-    tau = np.sort(np.abs(g))[-T]
-    hyper = torch.tensor([[lr, lr1, 0.0, 1e-10, 0.0, 1.0]], dtype=torch.float64)
-    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
-    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
-    expected = _update_np(x, so, sd, g, tau, lr, lr1, 1e-10, version)
-    for got, exp in zip(out, expected):
-        assert torch.equal(got, torch.from_numpy(exp))
+    _assert_step_equals_numpy(x, so, sd, g, T, lr, lr1, 1e-10, version)
 
 
 @needs_ext
@@ -465,13 +472,7 @@ def test_step_float32_shortcut_is_exact(version, eps):
     x[idx[240:320]] = 1e-30
     x[idx[320:400]] = 1e15
     T = n // 10
-    tau = np.sort(np.abs(g))[-T]
-    hyper = torch.tensor([[lr, lr1, 0.0, eps, 0.0, 1.0]], dtype=torch.float64)
-    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
-    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
-    expected = _update_np(x, so, sd, g, tau, lr, lr1, eps, version)
-    for got, exp in zip(out, expected):
-        assert torch.equal(got, torch.from_numpy(exp))
+    _assert_step_equals_numpy(x, so, sd, g, T, lr, lr1, eps, version)
 
 
 @needs_ext
@@ -516,13 +517,7 @@ def test_step_float32_acceptance_estimate_is_exact(version, eps, isa, monkeypatc
     so[idx[560:600]] = 1e-41
     g[idx[560:600]] = 1e-25
     T = n // 20
-    tau = np.sort(np.abs(g))[-T]
-    hyper = torch.tensor([[lr, lr1, 0.0, eps, 0.0, 1.0]], dtype=torch.float64)
-    out = [torch.from_numpy(a.copy()) for a in (x, so, sd)]
-    torch.ops.prunopt.prunadag_step_([out[0]], [out[1]], [out[2]], [torch.from_numpy(g)], hyper, T, version)
-    expected = _update_np(x, so, sd, g, tau, lr, lr1, eps, version)
-    for got, exp in zip(out, expected):
-        assert torch.equal(got, torch.from_numpy(exp))
+    _assert_step_equals_numpy(x, so, sd, g, T, lr, lr1, eps, version)
 
 
 @needs_ext
