@@ -29,7 +29,8 @@
 // The vector loops are compiled twice, for the baseline ISA of the build and
 // for AVX2+FMA, and picked at run time (the extension is built for x86-64).
 // The 3x3 basis in float (every 3x3 FB layer in training) has its own AVX2
-// loops with the basis held in registers (see forward_3x3_avx2).
+// loops with the basis held in registers (see forward_3x3_body), compiled a
+// second time with AVX-512VL's 32 registers on CPUs that have them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -38,6 +39,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -57,6 +59,12 @@ namespace {
 inline bool use_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
+}
+// the 3x3 clones with AVX-512VL registers, unless PRUNOPT_NO_AVX512 is set
+// (read per call, as in fb_conv2d.cpp, so that tests can compare the clones)
+inline bool use_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && use_avx2();
+  return ok && std::getenv("PRUNOPT_NO_AVX512") == nullptr;
 }
 #endif
 
@@ -307,9 +315,10 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_products(co
   }
 }
 
-// g: 9 x 9 doubles (row n = g^(n)).
-__attribute__((target("avx2,fma"))) void forward_3x3_avx2(const float* lam, const float* mu, const double* g,
-                                                         float* h, int64_t r0, int64_t r1) {
+// g: 9 x 9 doubles (row n = g^(n)). Inlined into two clones (below): AVX2,
+// and AVX2 with AVX-512VL, the same instructions with 32 vector registers.
+__attribute__((target("avx2,fma"), always_inline)) inline void forward_3x3_body(const float* lam, const float* mu,
+    const double* g, float* h, int64_t r0, int64_t r1) {
   __m256 G[9];
   alignas(32) float tmp[8];
   for (int n = 0; n < 9; ++n) {
@@ -381,8 +390,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void add_dg_edges(doub
 }
 
 // dlam (may be null) and dg (9 x 9 doubles, added to; may be null) of rows [r0, r1).
-__attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, const float* lam, const float* mu,
-    const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
+__attribute__((target("avx2,fma"), always_inline)) inline void backward_3x3_body(const float* dh, const float* lam,
+    const float* mu, const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
   alignas(32) float tmp[8];
   __m256 GT[9];  // GT[k] = (g[0][k], ..., g[7][k])
   for (int k = 0; k < 9; ++k) {
@@ -487,6 +496,29 @@ __attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, cons
   }
 }
 
+// The clones. With 16 ymm registers the backward kept four of its dg
+// accumulators and a88 on the stack (a store-to-load chain through memory per
+// row: ~28 cycles a row, 4x a copy of the same bytes), and the forward spilled
+// its eight tap-8 products; AVX-512VL gives the same AVX2 instructions 32
+// registers. Same operations in the same order, so the same bits
+// (test_3x3_clones_agree_bitwise; PRUNOPT_NO_AVX512=1 picks the AVX2 clone).
+__attribute__((target("avx2,fma"))) void forward_3x3_avx2(const float* lam, const float* mu, const double* g,
+                                                         float* h, int64_t r0, int64_t r1) {
+  forward_3x3_body(lam, mu, g, h, r0, r1);
+}
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void forward_3x3_avx512(const float* lam, const float* mu,
+    const double* g, float* h, int64_t r0, int64_t r1) {
+  forward_3x3_body(lam, mu, g, h, r0, r1);
+}
+__attribute__((target("avx2,fma"))) void backward_3x3_avx2(const float* dh, const float* lam, const float* mu,
+    const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
+  backward_3x3_body(dh, lam, mu, g, dlam, dg, r0, r1);
+}
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void backward_3x3_avx512(const float* dh, const float* lam,
+    const float* mu, const double* g, float* dlam, double* dg, int64_t r0, int64_t r1) {
+  backward_3x3_body(dh, lam, mu, g, dlam, dg, r0, r1);
+}
+
 template <typename scalar_t>
 bool use_3x3(const Dims& d) {
   return std::is_same<scalar_t, float>::value && d.n == 9 && d.k == 9 && use_avx2();
@@ -530,6 +562,7 @@ void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, 
   if constexpr (std::is_same<scalar_t, float>::value) {
     if (use_3x3<scalar_t>(d)) {
       at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+        if (use_avx512()) return forward_3x3_avx512(lam, mu, g, h, r0, r1);
         forward_3x3_avx2(lam, mu, g, h, r0, r1);
       });
       return;
@@ -570,7 +603,11 @@ void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const sc
 #ifdef PRUNOPT_X86_DISPATCH
       if constexpr (std::is_same<scalar_t, float>::value) {
         if (use_3x3<scalar_t>(d)) {
-          backward_3x3_avx2(dh, lam, mu, g, dlam, dgc, r0, r1);
+          if (use_avx512()) {
+            backward_3x3_avx512(dh, lam, mu, g, dlam, dgc, r0, r1);
+          } else {
+            backward_3x3_avx2(dh, lam, mu, g, dlam, dgc, r0, r1);
+          }
           continue;
         }
       }

@@ -123,6 +123,52 @@ def test_backward_does_not_depend_on_the_thread_count():
         torch.testing.assert_close(g_basis, outs[0][1], atol=1e-7 * scale, rtol=0)
 
 
+def _avx512_clone_available():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512vl" in flags
+
+
+@needs_ext
+@pytest.mark.skipif(not _avx512_clone_available(), reason="needs an AVX-512 (F, VL) CPU for the second clone")
+@pytest.mark.parametrize("mask", [True, False])
+@pytest.mark.parametrize("output_mask", [[True, True], [True, False], [False, True]])
+@pytest.mark.parametrize("rows", [(1, 1), (3, 5), (64, 33), (257, 130)])  # 1, 15, 2112, 33410 rows
+def test_3x3_clones_agree_bitwise(rows, output_mask, mask, monkeypatch):
+    """The 3x3 float kernels' AVX-512VL clone (the AVX2 code with 32 registers)
+    and the AVX2 clone give the same bits: forward, dL/dlam and dL/dg, with and
+    without a mask, row counts that are not multiples of the 8-row blocks, of the
+    32-row dg blocks or of a thread's chunk."""
+    c_out, c_in_g = rows
+    coeff, basis, mu, gh = (None if t is None else t.float()
+                            for t in _case(c_out, c_in_g, 9, 3, 3, 0.5, torch.float64, 7, mask))
+    outs = []
+    for isa in ("default", "no_avx512"):
+        if isa == "no_avx512":
+            monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+        else:
+            monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+        h = torch.ops.prunopt.fb_reconstruct(coeff, basis, mu)
+        outs.append((h, *torch.ops.prunopt.fb_reconstruct_backward(gh, coeff, basis, mu, output_mask)))
+    for a, b in zip(*outs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    # and both are right
+    mu64 = None if mu is None else mu.double()
+    exact_lam, exact_basis = fb_coefficient_grads_reference(gh.double(), coeff.double(), basis.double(), mu64)
+    h_exact = fb_reconstruct_reference(coeff.double(), basis.double(), mu64)
+    _close(outs[0][0], h_exact, torch.float32, 1 + float(h_exact.abs().max()))
+    if output_mask[0]:
+        _close(outs[0][1], exact_lam, torch.float32, 1 + float(exact_lam.abs().max()))
+    if output_mask[1]:
+        scale = float(torch.einsum("oin,oikl->nkl", coeff.double().abs(), gh.double().abs()).max())
+        _close(outs[0][2], exact_basis, torch.float32, 1 + scale)
+
+
 def test_autograd_uses_the_fused_backward_and_is_masked():
     coeff, basis, mu, gh = _case(6, 4, 9, 3, 3, 0.4, torch.float64, 4)
     c = coeff.clone().requires_grad_()
