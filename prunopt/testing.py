@@ -9,7 +9,8 @@ import torch
 
 from prunopt._extension import cuda_kernels_available, extension_available
 
-__all__ = ["devices", "float_dtypes", "tolerance", "extension_available", "cuda_kernels_available"]
+__all__ = ["devices", "float_dtypes", "tolerance", "extension_available", "cuda_kernels_available", "avx512_cpu",
+           "simd_clones"]
 
 
 def devices():
@@ -39,3 +40,21 @@ def tolerance(dtype: torch.dtype) -> dict:
     """Absolute tolerance of a kernel in ``dtype`` against a float64 reference
     (SPEC.md section 1: 1e-12 in float64, 1e-5 in float32, relative to 1)."""
     return dict(_TOL[dtype])
+
+
+def avx512_cpu() -> bool:
+    """Whether this CPU runs the kernels' AVX-512 clones (torch's AVX512
+    capability: F, BW, VL and DQ)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def simd_clones(monkeypatch):
+    """Yields ``"avx512"`` and then ``"avx2"``, with ``PRUNOPT_NO_AVX512`` unset
+    and then set through pytest's ``monkeypatch``: the CPU kernels that have an
+    AVX-512 clone run it, then their AVX2 loops (the tests compare the two)."""
+    for isa in ("avx512", "avx2"):
+        if isa == "avx2":
+            monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+        else:
+            monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+        yield isa

@@ -10,6 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 import prunopt
 from prunopt.ops import fb_reconstruct, fb_reconstruct_backward
 from prunopt.reference import fb_coefficient_grads_reference, fb_reconstruct_reference
+from prunopt.testing import avx512_cpu, simd_clones
 
 needs_ext = pytest.mark.skipif(
     not (prunopt.extension_available() and hasattr(torch.ops.prunopt, "fb_reconstruct_backward")),
@@ -123,17 +124,8 @@ def test_backward_does_not_depend_on_the_thread_count():
         torch.testing.assert_close(g_basis, outs[0][1], atol=1e-7 * scale, rtol=0)
 
 
-def _avx512_clone_available():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512f" in flags and " avx512vl" in flags
-
-
 @needs_ext
-@pytest.mark.skipif(not _avx512_clone_available(), reason="needs an AVX-512 (F, VL) CPU for the second clone")
+@pytest.mark.skipif(not avx512_cpu(), reason="needs an AVX-512 CPU for the second clone")
 @pytest.mark.parametrize("mask", [True, False])
 @pytest.mark.parametrize("output_mask", [[True, True], [True, False], [False, True]])
 @pytest.mark.parametrize("rows", [(1, 1), (3, 5), (64, 33), (257, 130)])  # 1, 15, 2112, 33410 rows
@@ -146,11 +138,7 @@ def test_3x3_clones_agree_bitwise(rows, output_mask, mask, monkeypatch):
     coeff, basis, mu, gh = (None if t is None else t.float()
                             for t in _case(c_out, c_in_g, 9, 3, 3, 0.5, torch.float64, 7, mask))
     outs = []
-    for isa in ("default", "no_avx512"):
-        if isa == "no_avx512":
-            monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
-        else:
-            monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+    for _ in simd_clones(monkeypatch):
         h = torch.ops.prunopt.fb_reconstruct(coeff, basis, mu)
         outs.append((h, *torch.ops.prunopt.fb_reconstruct_backward(gh, coeff, basis, mu, output_mask)))
     for a, b in zip(*outs):

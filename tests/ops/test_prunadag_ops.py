@@ -9,6 +9,7 @@ from hypothesis import example, given, strategies as st
 import prunopt
 from prunopt.ops import topk_threshold
 from prunopt.reference.prunadag import TensorHyper, prunadag_step_reference
+from prunopt.testing import simd_clones
 
 needs_ext = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
 
@@ -532,11 +533,7 @@ def test_step_simd_clones_agree(dtype, version, monkeypatch):
     hypers = [TensorHyper(lr=0.3, k=2.0, lr_decay=0.1, weight_decay=0.01, eps=1e-8, maximize=False) for _ in xs]
     n = sum(x.numel() for x in xs)
     outs = []
-    for isa in ("default", "no_avx512"):
-        if isa == "no_avx512":
-            monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
-        else:
-            monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+    for _ in simd_clones(monkeypatch):
         out = [[t.clone() for t in lst] for lst in (xs, so, sd)]
         torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], gs, _hyper_tensor(hypers), n // 10, version)
         outs.append(out)
