@@ -496,11 +496,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void backward_3x3_body
   }
 }
 
-// The clones. With 16 ymm registers the backward kept four of its dg
-// accumulators and a88 on the stack (a store-to-load chain through memory per
-// row: ~28 cycles a row, 4x a copy of the same bytes), and the forward spilled
-// its eight tap-8 products; AVX-512VL gives the same AVX2 instructions 32
-// registers. Same operations in the same order, so the same bits
+// The clones. With 16 ymm registers GCC keeps part of each kernel's working
+// set on the stack: in the backward four of the dg accumulators and a88, a
+// store-to-load chain through memory per row (perf; 8.5 ns a row on one
+// thread with L2-resident rows). AVX-512VL gives the same AVX2 instructions 32
+// registers (7.6 ns). Same operations in the same order, so the same bits
 // (test_3x3_clones_agree_bitwise; PRUNOPT_NO_AVX512=1 picks the AVX2 clone).
 __attribute__((target("avx2,fma"))) void forward_3x3_avx2(const float* lam, const float* mu, const double* g,
                                                          float* h, int64_t r0, int64_t r1) {
