@@ -4,15 +4,17 @@
     VGG16-CIFAR layer shapes (Table A7) at batch 32. Target <= 1.05x.
 (b) Inference: the VGG16-CIFAR convolution stack (13 convs + max-pools, no BN or
     ReLU, as App. D.4; the pools by ``F.max_pool2d`` and, in a second row per p,
-    by pairwise ``torch.maximum``, in all three networks alike) in interspace form at batch 1 with uniform coefficient
-    sparsity p per layer, against the dense ``F.conv2d`` network and against the
-    paper's method (App. D.4): basis maps, then ``scipy.sparse.csr_matrix``
+    by pairwise ``torch.maximum``, in all three networks alike) in interspace
+    form at batch 1 with uniform coefficient sparsity p per layer, against the
+    dense ``F.conv2d`` network and against the paper's method (App. D.4): basis maps, then ``scipy.sparse.csr_matrix``
     products. Beside each speedup: the ideal FLOP ratio of App. D,
     dense FLOPs / (sparse FLOPs + basis overhead) = 1/((1-p) + K^2/C_out) per layer.
 
 Every contender is checked against the others before it is timed.
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -126,11 +128,11 @@ class Stack(nn.Module):
     """The VGG16-CIFAR conv stack with max-pools (no BN; ReLU after each conv
     with ``relu=True``, for the training step)."""
 
-    def __init__(self, layers, relu: bool = False, pool=None):
+    def __init__(self, layers, relu: bool = False, pool=POOLS["F.max_pool2d"]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.relu = relu
-        self.pool = pool if pool is not None else POOLS["F.max_pool2d"]
+        self.pool = pool
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
@@ -165,8 +167,7 @@ def _inference_rows(quick: bool, threads: int):
     import scipy.sparse as sp
 
     rows = []
-    for p, pool_name in [(p, name) for p in (0.5, 0.9, 0.95, 0.99) for name in POOLS]:
-        pool = POOLS[pool_name]
+    for p, (pool_name, pool) in itertools.product((0.5, 0.9, 0.95, 0.99), POOLS.items()):
         torch.manual_seed(1)
         layers = []
         for c_in, c_out, _ in VGG16_CIFAR:
@@ -208,7 +209,8 @@ def _inference_rows(quick: bool, threads: int):
             sparse_flops += 2 * nnz * d + 2 * c_in * 9 * 9 * d  # eq. A.8
             if i in POOL_AFTER:
                 hw //= 2
-        rows.append({"p": p, "pool": pool_name, "dense_ms": t_dense * 1e3, "prunopt_ms": t_ours * 1e3, "scipy_csr_ms": t_scipy * 1e3,
+        rows.append({"p": p, "pool": pool_name, "dense_ms": t_dense * 1e3, "prunopt_ms": t_ours * 1e3,
+                     "scipy_csr_ms": t_scipy * 1e3,
                      "speedup_vs_dense": t_dense / t_ours, "speedup_vs_scipy": t_scipy / t_ours,
                      "ideal_flop_ratio": dense_flops / sparse_flops})
     return rows
