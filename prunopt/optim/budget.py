@@ -1,7 +1,9 @@
 """Keeping probabilistic mask scores inside a budget (ProM / ProbMask)."""
 from __future__ import annotations
 
+import copy
 import math
+import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -48,12 +50,7 @@ class BudgetProjection:
         for i, p in enumerate(self.params):
             if not isinstance(p, Tensor):
                 raise TypeError(f"params[{i}] must be a Tensor, got {type(p).__name__}")
-        if isinstance(density, (int, float)) and not isinstance(density, bool):
-            if not (math.isfinite(density) and 0.0 <= density <= 1.0):
-                raise ValueError(f"density must be in [0, 1], got {density}")
-        elif not callable(density):
-            raise TypeError(f"density must be a number, a DensitySchedule or a callable, got {type(density).__name__}")
-        self.density = density
+        self.density = _check_density(density)
         if cost is not None:
             cost = list(cost)
             if len(cost) != len(self.params):
@@ -61,10 +58,12 @@ class BudgetProjection:
             for i, (c, p) in enumerate(zip(cost, self.params)):
                 if not isinstance(c, Tensor) or c.shape != p.shape:
                     raise ValueError(f"cost[{i}] must be a tensor of shape {tuple(p.shape)}")
-                if not bool((c > 0).all()):
-                    raise ValueError(f"cost[{i}] must be positive")
+                if not bool(((c > 0) & torch.isfinite(c)).all()):
+                    raise ValueError(f"cost[{i}] must be finite and > 0 everywhere")
         self.cost = cost
         self.total = float(sum(c.double().sum().item() for c in cost)) if cost else float(sum(p.numel() for p in self.params))
+        if not math.isfinite(self.total):
+            raise ValueError(f"the costs sum to {self.total}; cost must have a finite total")
         self.step_count = 0
         self._hook = None
 
@@ -91,8 +90,8 @@ class BudgetProjection:
     def attach(self, optimizer: torch.optim.Optimizer):
         """Runs :meth:`step` after every ``optimizer.step()`` (through
         ``Optimizer.register_step_post_hook``). Returns the hook handle;
-        ``handle.remove()`` detaches."""
-        if self._hook is not None:
+        ``handle.remove()`` detaches (after which it can be attached again)."""
+        if self._hook is not None and _handle_alive(self._hook):
             raise RuntimeError("this BudgetProjection is already attached to an optimizer")
         self._hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
         return self._hook
@@ -106,9 +105,39 @@ class BudgetProjection:
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.step_count = int(state["step_count"])
+        """Restores :meth:`state_dict`'s output. Everything is checked before
+        anything is assigned (``ValueError``/``TypeError`` leave the projection
+        as it was)."""
+        if not isinstance(state, dict) or "step_count" not in state:
+            raise ValueError("state must be a dict from BudgetProjection.state_dict() (with 'step_count')")
+        count = state["step_count"]
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"state['step_count'] must be an int >= 0, got {count!r}")
+        density = self.density
         if "density" in state:
-            if isinstance(self.density, DensitySchedule) and isinstance(state["density"], dict):
-                self.density.load_state_dict(state["density"])
-            elif not isinstance(state["density"], dict):
-                self.density = float(state["density"])
+            d = state["density"]
+            if isinstance(d, dict):
+                if not isinstance(self.density, DensitySchedule):
+                    raise ValueError("state['density'] is a schedule's state, but this projection has no DensitySchedule")
+                density = copy.deepcopy(self.density)
+                density.load_state_dict(d)  # validates (raises before self.density changes)
+            else:
+                density = float(_check_density(d))
+        self.step_count = int(count)
+        self.density = density
+
+
+def _check_density(density):
+    if isinstance(density, numbers.Real) and not isinstance(density, bool):
+        if not (math.isfinite(density) and 0.0 <= density <= 1.0):
+            raise ValueError(f"density must be in [0, 1], got {density}")
+        return density
+    if not callable(density):
+        raise TypeError(f"density must be a number, a DensitySchedule or a callable, got {type(density).__name__}")
+    return density
+
+
+def _handle_alive(handle) -> bool:
+    """Whether a ``torch.utils.hooks.RemovableHandle`` is still registered."""
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks

@@ -19,6 +19,7 @@ or without ``r`` (versions 2, 4), and ``b_i = |x_i|`` (versions 3, 4) or infinit
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Dict, List, Optional
 
 import torch
@@ -38,6 +39,19 @@ def _version_code(version) -> int:
     return 0 if version == "relevant_only" else int(version)
 
 
+def _normalize_relevant(relevant):
+    """``relevant`` as a Python int or float (numpy and other ``numbers``
+    scalars keep their int/float meaning); anything else is returned as is
+    for :func:`_check_relevant` to reject."""
+    if isinstance(relevant, bool) or isinstance(relevant, (int, float)):
+        return relevant
+    if isinstance(relevant, numbers.Integral):
+        return int(relevant)
+    if isinstance(relevant, numbers.Real):
+        return float(relevant)
+    return relevant
+
+
 def _check_relevant(relevant, name="relevant"):
     if isinstance(relevant, bool) or not isinstance(relevant, (int, float)):
         raise TypeError(f"{name} must be an int >= 1 or a float in (0, 1], got {type(relevant).__name__}")
@@ -55,7 +69,7 @@ def _check_hyper(group: dict) -> None:
             if v.numel() != 1:
                 raise ValueError(f"{key} must be a number or a one-element tensor")
             v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{key} must be a real number, got {type(v).__name__}")
         if not (v >= 0.0) or math.isinf(v):
             raise ValueError(f"Invalid {key} value: {v} (must be a finite number >= 0)")
@@ -66,6 +80,11 @@ def _check_hyper(group: dict) -> None:
         raise ValueError(f"scope must be one of {SCOPES}, got {group['scope']!r}")
     if not isinstance(group["prune"], bool):
         raise TypeError(f"prune must be a bool, got {type(group['prune']).__name__}")
+    if not isinstance(group["maximize"], bool):
+        raise TypeError(f"maximize must be a bool, got {type(group['maximize']).__name__}")
+    for key in ("foreach", "fused"):
+        if group[key] is not None and not isinstance(group[key], bool):
+            raise TypeError(f"{key} must be None or a bool, got {type(group[key]).__name__}")
     if group["foreach"] and group["fused"]:
         raise ValueError("foreach and fused cannot both be True")
     if group["fused"] and not extension_available():
@@ -107,17 +126,32 @@ class _Scope:
 
 
 def _check_grads(scopes: List[_Scope]) -> None:
+    """Gradients and state against their parameters, before anything is
+    written: a state of another shape, dtype or device (e.g. a state dict
+    loaded into an optimizer whose parameters come in another order) raises
+    ValueError here instead of failing half-way through the step."""
     strided = torch.strided
     for s in scopes:
-        for p, g in zip(s.params, s.grads):
+        for p, g, so, sd, st in zip(s.params, s.grads, s.opt_sums, s.dec_sums, s.steps):
             # one cheap test per tensor (attributes only); the messages below
-            if g.layout is strided and not g.dtype.is_complex and not p.dtype.is_complex and g.shape == p.shape:
+            shape, dtype, dev = p.shape, p.dtype, p.device
+            if (g.layout is strided and not g.dtype.is_complex and not dtype.is_complex and g.shape == shape
+                    and so.shape == shape and sd.shape == shape and so.dtype == dtype and sd.dtype == dtype
+                    and so.device == dev and sd.device == dev and st.numel() == 1):
                 continue
             if g.is_sparse or g.layout != strided:
                 raise TypeError("PrunAdag does not support sparse gradients")
             if torch.is_complex(p) or torch.is_complex(g):
                 raise TypeError("PrunAdag does not support complex parameters or gradients")
-            raise ValueError(f"grad of shape {tuple(g.shape)} does not match its parameter {tuple(p.shape)}")
+            if g.shape != shape:
+                raise ValueError(f"grad of shape {tuple(g.shape)} does not match its parameter {tuple(shape)}")
+            for name, t in (("sum", so), ("decrease_sum", sd)):
+                if t.shape != shape or t.dtype != dtype or t.device != dev:
+                    raise ValueError(
+                        f"state {name!r} (opt_sums / dec_sums) of shape {tuple(t.shape)}, {t.dtype} on {t.device} does "
+                        f"not match its parameter ({tuple(shape)}, {dtype} on {dev}); was a state dict loaded into an "
+                        "optimizer whose parameters come in another order? Nothing was updated")
+            raise ValueError(f"state 'step' (state_steps) must be a one-element tensor, got shape {tuple(st.shape)}")
 
 
 def _check_finite(scopes: List[_Scope]) -> None:
@@ -257,8 +291,8 @@ def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tenso
     ``found_nonfinite`` the step raises ValueError and changes nothing; with it
     (a one-element float32 tensor) nothing changes either, ``found_nonfinite``
     is set to 1, and step counters on its device do not advance — all without
-    a host synchronisation on the fused path (used by PrunAdag on CUDA)."""
-    _check_grads(scopes)
+    a host synchronisation on the fused path (used by PrunAdag on CUDA).
+    The callers have run :func:`_check_grads` (before choosing the path)."""
     targets = [s.target() for s in scopes]  # validates int T <= n before any write
     flag = found_nonfinite
     if flag is not None:
@@ -329,16 +363,33 @@ def prunadag(
     nothing. With ``found_nonfinite`` (a one-element float32 tensor, e.g. on the
     params' device) it changes nothing either but sets ``found_nonfinite`` to 1
     instead of raising, and the step counters on that device do not advance;
-    the fused kernel does this without a host synchronisation.
+    the fused kernel does this without a host synchronisation. The flag is an
+    input too: pass it as 0. A flag that is already 1 (e.g. set by an earlier
+    call and not reset) makes the call a no-op, so one flag can guard several
+    calls that must all be skipped together; reset it (``flag.zero_()``)
+    before the next step.
+
+    All lists must have one entry per parameter, and each accumulator the
+    shape, dtype and device of its parameter (``ValueError`` otherwise, before
+    anything is written).
     """
+    relevant = _normalize_relevant(relevant)
     group = dict(lr=lr, relevant=relevant, version=version, scope="global", lr_decay=lr_decay,
                  weight_decay=weight_decay, initial_accumulator_value=0.0, eps=eps, maximize=maximize,
                  foreach=foreach, fused=fused, prune=True)
     _check_hyper(group)
     s = _Scope()
     s.params, s.grads, s.opt_sums, s.dec_sums, s.steps = list(params), list(grads), list(opt_sums), list(dec_sums), list(state_steps)
+    for name, lst in (("grads", s.grads), ("opt_sums", s.opt_sums), ("dec_sums", s.dec_sums),
+                      ("state_steps", s.steps)):
+        if len(lst) != len(s.params):
+            raise ValueError(f"{name} must have one tensor per parameter ({len(s.params)}), got {len(lst)}")
+        for i, t in enumerate(lst):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
     s.hypers = [TensorHyper(lr=float(lr), lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize) for _ in params]
     s.relevant, s.version = relevant, version
+    _check_grads([s])  # sparse / complex / mismatched state: TypeError / ValueError before the path is chosen
     _run_scopes([s], _choose_impl(s.params + s.grads, foreach, fused), found_nonfinite)
 
 
@@ -423,7 +474,7 @@ class PrunAdag(torch.optim.Optimizer):
         fused: Optional[bool] = None,
     ):
         defaults = dict(
-            lr=lr, relevant=relevant, version=version, scope=scope, lr_decay=lr_decay, weight_decay=weight_decay,
+            lr=lr, relevant=_normalize_relevant(relevant), version=version, scope=scope, lr_decay=lr_decay, weight_decay=weight_decay,
             initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize, foreach=foreach,
             fused=fused, prune=True,
         )
@@ -449,6 +500,8 @@ class PrunAdag(torch.optim.Optimizer):
             state["decrease_sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
 
     def add_param_group(self, param_group: dict) -> None:
+        if isinstance(param_group, dict) and "relevant" in param_group:
+            param_group = {**param_group, "relevant": _normalize_relevant(param_group["relevant"])}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -490,11 +543,17 @@ class PrunAdag(torch.optim.Optimizer):
             group.setdefault("weight_decay", 0.0)
             group.setdefault("eps", 1e-10)
             group.setdefault("initial_accumulator_value", 0.01)
+        self.__dict__.setdefault("found_nonfinite", None)  # not pickled by Optimizer.__getstate__
         for s in self.state.values():
             if "step" in s and not torch.is_tensor(s["step"]):
                 s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
-            if "sum" in s:
-                s.setdefault("decrease_sum", torch.full_like(s["sum"], 0.01))
+        # a state without decrease_sum (e.g. torch.optim.Adagrad's): the decrease
+        # accumulator starts where the group's accumulators start (eq. 2.15)
+        for group in self.param_groups:
+            for p in group["params"]:
+                s = self.state.get(p)
+                if s and "sum" in s and "decrease_sum" not in s:
+                    s["decrease_sum"] = torch.full_like(s["sum"], group["initial_accumulator_value"])
 
     def _scopes(self) -> List[_Scope]:
         scope_kind = self.param_groups[0]["scope"] if self.param_groups else "global"
@@ -552,6 +611,7 @@ class PrunAdag(torch.optim.Optimizer):
         # the accumulators follow their params (state is created like them and
         # load_state_dict casts it); the kernels check them again
         tensors = [t for s in scopes for t in s.params + s.grads]
+        _check_grads(scopes)  # sparse / complex: TypeError before the path is chosen (fused=True)
         impl = _choose_impl(tensors, group0["foreach"], group0["fused"])
         flag = None
         if impl == "fused" and tensors[0].is_cuda:

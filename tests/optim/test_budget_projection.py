@@ -80,3 +80,51 @@ def test_errors():
     proj = BudgetProjection(_scores(), lambda step: 2.0)
     with pytest.raises(ValueError, match="density"):
         proj.step()
+
+
+def test_attach_again_after_remove():
+    p = torch.nn.Parameter(torch.rand(4))
+    proj = BudgetProjection([p], 0.5)
+    opt = torch.optim.SGD([p], lr=0.1)
+    handle = proj.attach(opt)
+    with pytest.raises(RuntimeError, match="already attached"):
+        proj.attach(opt)
+    handle.remove()
+    opt2 = torch.optim.SGD([p], lr=0.1)
+    proj.attach(opt2)
+    with torch.no_grad():
+        p.fill_(1.0)
+    p.grad = torch.zeros(4)
+    opt.step()  # detached: no projection
+    assert proj.step_count == 0
+    opt2.step()
+    assert proj.step_count == 1 and float(p.sum()) == pytest.approx(2.0)
+
+
+def test_non_finite_cost_names_cost():
+    with pytest.raises(ValueError, match=r"cost\[0\]"):
+        BudgetProjection([torch.rand(10)], 0.5, cost=[torch.full((10,), float("inf"))])
+    with pytest.raises(ValueError, match=r"cost\[0\]"):
+        BudgetProjection([torch.rand(10)], 0.5, cost=[torch.full((10,), float("nan"))])
+
+
+def test_load_state_dict_validates_before_assigning():
+    proj = BudgetProjection(_scores(), DensitySchedule(0.2, 0, 10))
+    proj.step()
+    proj.step()
+    with pytest.raises(ValueError):
+        proj.load_state_dict({"step_count": 7, "density": {"target": 5.0, "start": 0, "end": 10}})
+    assert proj.step_count == 2 and proj.current_density() == pytest.approx(DensitySchedule(0.2, 0, 10)(2))
+    fixed = BudgetProjection(_scores(), 0.5)
+    for bad in (5.0, float("nan"), -1.0):
+        with pytest.raises(ValueError, match="density"):
+            fixed.load_state_dict({"step_count": 0, "density": bad})
+    with pytest.raises(ValueError, match="step_count"):
+        fixed.load_state_dict({"step_count": -1, "density": 0.3})
+    assert fixed.step_count == 0 and fixed.density == 0.5
+
+
+def test_numpy_density():
+    np = pytest.importorskip("numpy")
+    proj = BudgetProjection(_scores(), np.float32(0.25))
+    assert proj.budget() == pytest.approx(0.25 * proj.total)

@@ -362,3 +362,117 @@ def test_fused_op_flag_argument_errors():
     for flag in (torch.zeros(2), torch.zeros(1, dtype=torch.float64)):
         with pytest.raises(ValueError, match="found_nonfinite"):
             torch.ops.prunopt.prunadag_step_([x], [x.clone()], [x.clone()], [g], hyper, 2, 3, flag)
+
+
+def _snapshot(opt, ps):
+    return [p.detach().clone() for p in ps], {k: v.clone() for p in ps for k, v in
+                                               ((f"{id(p)}{n}", t) for n, t in opt.state[p].items())}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scope", ["global", "tensor"])
+def test_state_of_another_shape_raises_before_any_write(path, scope):
+    """A state dict loaded into an optimizer whose parameters come in another
+    order gives each parameter a state of another shape: ValueError before
+    anything is written (it used to update the parameters, then raise)."""
+    a, b = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    opt = PrunAdag([a, b], relevant=0.5, scope=scope, **_path_kwargs(path))
+    a.grad, b.grad = torch.randn(4, 3), torch.randn(3)
+    opt.step()
+    opt2 = PrunAdag([b, a], relevant=0.5, scope=scope, **_path_kwargs(path))
+    opt2.load_state_dict(opt.state_dict())
+    a.grad, b.grad = torch.randn(4, 3), torch.randn(3)
+    before, state = _snapshot(opt2, [a, b])
+    with pytest.raises(ValueError, match="does not match its parameter"):
+        opt2.step()
+    after, state_after = _snapshot(opt2, [a, b])
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert all(torch.equal(state[k], state_after[k]) for k in state)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_state_transposed_raises(path):
+    """Same number of elements, other shape: rejected too (the foreach path
+    used to step on the scrambled state)."""
+    p = torch.randn(4, 3, requires_grad=True)
+    opt = PrunAdag([p], relevant=0.5, **_path_kwargs(path))
+    p.grad = torch.randn(4, 3)
+    opt.state[p]["sum"] = torch.full((3, 4), 0.01)
+    opt.state[p]["decrease_sum"] = torch.full((3, 4), 0.01)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="'sum'"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_functional_list_lengths_and_shapes(path):
+    x = [torch.randn(5) for _ in range(3)]
+    x0 = [t.clone() for t in x]
+    grads = [torch.randn(5) for _ in range(3)]
+    full = lambda n: [torch.full((5,), 0.01) for _ in range(n)]  # noqa: E731
+    steps = [torch.tensor(0.0) for _ in range(3)]
+    kw = dict(relevant=0.5, **_path_kwargs(path))
+    for args, name in [((grads, full(2), full(3), steps), "opt_sums"), ((grads, full(3), full(3), steps[:2]), "state_steps"),
+                       ((grads[:2], full(3), full(3), steps), "grads"), ((grads, full(3), full(4), steps), "dec_sums")]:
+        with pytest.raises(ValueError, match=name):
+            prunadag(x, *args, **kw)
+    bad = full(3)
+    bad[2] = torch.full((4,), 0.01)
+    with pytest.raises(ValueError, match="'sum'"):
+        prunadag(x, grads, bad, full(3), steps, **kw)
+    with pytest.raises(TypeError, match=r"dec_sums\[1\]"):
+        prunadag(x, grads, full(3), [bad[0], 0.01, bad[1]], steps, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(x, x0))
+    assert all(s.item() == 0 for s in steps)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(maximize=None), "maximize"), (dict(maximize="yes"), "maximize"),
+                                           (dict(foreach="yes"), "foreach"), (dict(fused=1), "fused")])
+def test_flag_arguments_must_be_bools(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        PrunAdag(_params(torch.float32), **kwargs)
+
+
+def test_numpy_scalars_are_accepted_like_torch_optim():
+    np = pytest.importorskip("numpy")
+    ps = _params(torch.float32, sizes=[(50,)])
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    opt = PrunAdag(ps, lr=np.float32(0.1), relevant=np.int64(7), eps=np.float64(1e-10))
+    opt_ref = PrunAdag(ref, lr=float(np.float32(0.1)), relevant=7, eps=1e-10)
+    assert type(opt.param_groups[0]["relevant"]) is int  # an int T, not a fraction
+    for it in range(3):
+        _set_grads(ps, it, torch.float32)
+        _set_grads(ref, it, torch.float32)
+        opt.step()
+        opt_ref.step()
+    assert torch.equal(ps[0], ref[0])
+    opt.add_param_group(dict(params=[torch.randn(3, requires_grad=True)], relevant=np.int64(7)))
+    assert type(opt.param_groups[1]["relevant"]) is int
+
+
+def test_found_nonfinite_survives_pickle_and_deepcopy():
+    import pickle
+
+    opt = PrunAdag(_params(torch.float32))
+    assert pickle.loads(pickle.dumps(opt)).found_nonfinite is None
+    assert copy.deepcopy(opt).found_nonfinite is None
+
+
+def test_adagrad_state_dict_gives_decrease_sum_the_initial_value():
+    p = torch.randn(5, requires_grad=True)
+    ad = torch.optim.Adagrad([p], initial_accumulator_value=0.5)
+    p.grad = torch.randn(5)
+    ad.step()
+    opt = PrunAdag([p])
+    opt.load_state_dict(ad.state_dict())
+    assert torch.equal(opt.state[p]["sum"], ad.state[p]["sum"])
+    assert torch.equal(opt.state[p]["decrease_sum"], torch.full((5,), 0.5))
+
+
+@needs_ext
+def test_complex_with_fused_true_is_a_type_error():
+    c = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+    c.grad = torch.randn(5, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="complex"):
+        PrunAdag([c], fused=True).step()
