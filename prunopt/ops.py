@@ -61,10 +61,15 @@ def project_budget(theta: TensorOrList, budget: float, cost: Optional[TensorOrLi
             (default all ones, so the budget counts elements).
 
     Returns:
-        A new tensor (or list) with the projected values.
+        A new tensor (or list) with the projected values. It does not require
+        grad, whatever ``theta`` does: the projection is an optimisation step
+        (like ``torch.argmax``), not a differentiable layer, so no gradient flows
+        back through it (the compiled op has a non-differentiable Autograd
+        kernel; the pure-PyTorch fallback computes on detached data).
 
     Raises:
-        TypeError: ``theta``/``cost`` not tensors, ``budget`` not a number.
+        TypeError: ``theta``/``cost`` not tensors, ``budget`` not a real number
+            (Python, NumPy or one-element tensor).
         ValueError: negative or non-finite budget, non-finite scores, non-positive
             costs, mismatched shapes, dtypes or devices.
     """
@@ -79,9 +84,14 @@ def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrL
     r"""In-place :func:`project_budget`: overwrites ``theta`` with its projection.
 
     Validation (including finiteness of the data) happens before anything is
-    written, so on error ``theta`` is unchanged. Returns ``theta``.
+    written, so on error ``theta`` is unchanged. The tensors of ``theta`` must
+    not share memory with each other (the same tensor twice, overlapping
+    views) or within themselves (e.g. an ``expand()``-ed tensor): that is a
+    ``ValueError`` (checked in eager mode). Returns ``theta``.
     """
     thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    if not torch.compiler.is_compiling():
+        _check_no_overlap(thetas)
     if _use_kernel(thetas):
         torch.ops.prunopt.project_budget_(thetas, costs, budget)
     else:
@@ -90,6 +100,53 @@ def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrL
             for t, o in zip(thetas, outs):
                 t.copy_(o)
     return theta
+
+
+def _element_offsets(t: Tensor) -> Tensor:
+    """Offsets (in elements of ``t``'s dtype, from the start of its storage) of
+    every element of ``t``; ``numel`` int64 values."""
+    off = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return off.reshape(-1)
+
+
+def _has_internal_overlap(t: Tensor) -> bool:
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 0  # largest offset reachable with the dimensions of smaller stride
+    for stride, size in dims:
+        if stride <= reach:  # not provably free of overlap: count the distinct offsets
+            return int(torch.unique(_element_offsets(t)).numel()) < t.numel()
+        reach += stride * (size - 1)
+    return False
+
+
+def _check_no_overlap(thetas: List[Tensor]) -> None:
+    """ValueError if a tensor written in place overlaps itself or another one:
+    the projection treats every element as a separate score, so aliased memory
+    would be counted twice against the budget and written twice."""
+    by_storage = {}
+    for i, t in enumerate(thetas):
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        if _has_internal_overlap(t):
+            raise ValueError(f"theta[{i}] has elements sharing one memory location (e.g. an expand()-ed tensor); "
+                             "clone() it before projecting in place")
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+    for idx in by_storage.values():
+        for a in range(len(idx)):
+            for b in range(a + 1, len(idx)):
+                i, j = idx[a], idx[b]
+                ti, tj = thetas[i], thetas[j]
+                lo_i, lo_j = ti.storage_offset(), tj.storage_offset()
+                hi_i = lo_i + sum((n - 1) * st for n, st in zip(ti.shape, ti.stride()))
+                hi_j = lo_j + sum((n - 1) * st for n, st in zip(tj.shape, tj.stride()))
+                if hi_i < lo_j or hi_j < lo_i:
+                    continue  # disjoint ranges of one storage
+                if ti is tj or bool(torch.isin(_element_offsets(ti), _element_offsets(tj)).any()):
+                    raise ValueError(f"theta[{i}] and theta[{j}] share memory (the same tensor twice or overlapping "
+                                     "views): their elements would count twice against the budget; pass each "
+                                     "tensor once (or clone() one)")
 
 
 if extension_available():
@@ -101,6 +158,18 @@ if extension_available():
     @torch.library.register_fake("prunopt::project_budget_")
     def _project_budget_inplace_fake(theta, cost, budget):
         return None
+
+    # The projection is not differentiable (a step, not a layer): its Autograd
+    # kernel runs the op below autograd, so the outputs never require grad (as the
+    # fallback's, which computes on detached data) instead of carrying autograd's
+    # "not implemented" node, whose backward only warns and leaves grad None.
+    _PROJECTION_LIB = torch.library.Library("prunopt", "IMPL")
+
+    def _project_budget_autograd(theta, cost, budget):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.prunopt.project_budget.default(theta, cost, budget)
+
+    _PROJECTION_LIB.impl("project_budget", _project_budget_autograd, "Autograd")
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ Two independent solvers live here:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -50,7 +51,7 @@ def validate_projection_args(theta: TensorOrList, budget, cost: Optional[TensorO
         if budget.numel() != 1:
             raise ValueError(f"budget must be a number or a one-element tensor, got shape {tuple(budget.shape)}")
         budget = budget.item()
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):  # NumPy scalars too
         raise TypeError(f"budget must be a real number, got {type(budget).__name__}")
     budget = float(budget)
     if not math.isfinite(budget) or budget < 0:

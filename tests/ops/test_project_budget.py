@@ -1,6 +1,7 @@
 """prunopt.ops.project_budget: kernel vs float64 sort-based oracle (SPEC.md §1)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, strategies as st
@@ -138,6 +139,8 @@ def test_special_budgets():
     assert project_budget([], 1.0) == []
     # integer budget and a 1-element tensor budget are accepted
     torch.testing.assert_close(project_budget(t, 1), project_budget(t, torch.tensor(1.0)))
+    for b in (np.float32(1.0), np.float64(1.0), np.int64(1)):  # any real number (numbers.Real)
+        torch.testing.assert_close(project_budget(t, b), project_budget(t, 1.0))
 
 
 @pytest.mark.parametrize(
@@ -147,6 +150,7 @@ def test_special_budgets():
         ((torch.rand(3), math.inf), ValueError, "budget"),
         ((torch.rand(3), math.nan), ValueError, "budget"),
         ((torch.rand(3), "1"), TypeError, "budget"),
+        ((torch.rand(3), np.str_("1")), TypeError, "budget"),
         (("x", 1.0), TypeError, "theta"),
         ((torch.tensor([0.1, math.nan]), 1.0), ValueError, "theta"),
         ((torch.tensor([0.1, math.inf]), 1.0), ValueError, "theta"),
@@ -194,6 +198,56 @@ def test_opcheck(cost):
     cs = [torch.rand_like(t) + 0.5 for t in ts] if cost else None
     torch.library.opcheck(torch.ops.prunopt.project_budget.default, (ts, cs, 4.0))
     torch.library.opcheck(torch.ops.prunopt.project_budget_.default, ([t.clone() for t in ts], cs, 4.0))
+    # with inputs that require grad: the Autograd registration is checked as well
+    tg = [t.clone().requires_grad_() for t in ts]
+    torch.library.opcheck(torch.ops.prunopt.project_budget.default, (tg, cs, 4.0))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_output_never_requires_grad(use_kernel, monkeypatch):
+    import prunopt.ops as ops
+
+    if use_kernel and not prunopt.extension_available():
+        pytest.skip("compiled extension not built")
+    if not use_kernel:
+        monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+    g = torch.tensor([0.9, 0.8, 0.1], requires_grad=True)
+    out = ops.project_budget(g, 1.0)
+    assert not out.requires_grad and out.grad_fn is None  # was WarnNotImplemented on the kernel path
+    torch.testing.assert_close(out, project_budget_sort(g.detach(), 1.0))
+    outs = ops.project_budget([g, g.detach() * 2], 1.0)
+    assert not any(o.requires_grad for o in outs)
+    if use_kernel:  # the raw op as well
+        assert not any(o.requires_grad for o in torch.ops.prunopt.project_budget([g], None, 1.0))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_inplace_rejects_aliased_tensors_before_writing(use_kernel, monkeypatch):
+    import prunopt.ops as ops
+
+    if use_kernel and not prunopt.extension_available():
+        pytest.skip("compiled extension not built")
+    if not use_kernel:
+        monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+    s = torch.tensor([0.9, 0.9])
+    with pytest.raises(ValueError, match=r"theta\[0\] and theta\[1\] share memory"):
+        ops.project_budget_([s, s], 1.0)  # used to give [0, 0]
+    assert torch.equal(s, torch.tensor([0.9, 0.9]))
+    base = torch.rand(4, 6) * 2
+    before = base.clone()
+    for views in ([base[0], base[0, 2:]], [base[:2], base.t()], [base[1:3], base.reshape(-1)[10:14]]):
+        with pytest.raises(ValueError, match="share memory"):
+            ops.project_budget_(views, 1.0)
+        assert torch.equal(base, before)
+    with pytest.raises(ValueError, match="expand"):
+        ops.project_budget_(torch.rand(1).expand(4), 1.0)
+    # views of one storage that do not overlap are fine: interleaved columns, separate rows
+    cols = [base[:, ::2], base[:, 1::2]]
+    expect = project_budget_sort([c.clone() for c in cols], 3.0)
+    ops.project_budget_(cols, 3.0)
+    for c, e in zip(cols, expect):
+        torch.testing.assert_close(c, e)
+    ops.project_budget_([base[:2], base[2:]], 1.0)
 
 
 def test_torch_compile():
