@@ -12,6 +12,7 @@ architecture to a fresh model (:func:`extract_architecture`, :func:`apply_archit
 from __future__ import annotations
 
 import math
+import numbers
 from typing import List, Optional, Sequence
 
 import torch
@@ -115,6 +116,7 @@ def wrap_two_temperature_masks(model: nn.Module, t_l: float = 1000.0, t_s: Optio
 
 
 def two_temperature_masks(model: nn.Module) -> List[TwoTemperatureMask]:
+    """Every :class:`TwoTemperatureMask` of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, TwoTemperatureMask)]
 
 
@@ -166,13 +168,17 @@ def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Seq
                     generator: Optional[torch.Generator] = None) -> None:
     """Random re-draw with the same layerwise densities (the reshuffle
     experiment): each layer keeps round(d * size) weights chosen uniformly at
-    random; the masks are frozen."""
+    random; the masks are frozen. Every density is checked (a real number in
+    [0, 1]) before any mask is changed."""
     densities = layer_densities(masks) if densities is None else list(densities)
     if len(densities) != len(masks):
         raise ValueError(f"densities has {len(densities)} entries for {len(masks)} masks")
-    for m, d in zip(masks, densities):
+    for d in densities:
+        if isinstance(d, bool) or not isinstance(d, numbers.Real):
+            raise TypeError(f"densities must be real numbers, got {type(d).__name__}")
         if not 0.0 <= d <= 1.0:
             raise ValueError(f"densities must be in [0, 1], got {d}")
+    for m, d in zip(masks, densities):
         n = m.w.numel()
         k = int(round(d * n))
         perm = torch.randperm(n, generator=generator)[:k].to(m.w.device)
@@ -190,10 +196,19 @@ def extract_architecture(masks: Sequence[TwoTemperatureMask]) -> List[Tensor]:
 @torch.no_grad()
 def apply_architecture(masks: Sequence[TwoTemperatureMask], architecture: Sequence[Tensor]) -> None:
     """Transfer: fixes the masks of (another) model to a selected architecture
-    (e.g. selected on one task, retrained on another); the masks are frozen."""
+    (e.g. selected on one task, retrained on another); the masks are frozen.
+
+    Each entry of ``architecture`` is a tensor of its weight's shape, boolean or
+    with values 0/1 only; all are checked before any mask is changed."""
+    architecture = list(architecture)
     if len(architecture) != len(masks):
         raise ValueError(f"architecture has {len(architecture)} masks for {len(masks)} layers")
     for m, a in zip(masks, architecture):
+        if not isinstance(a, Tensor):
+            raise TypeError(f"architecture masks must be tensors, got {type(a).__name__}")
         if a.shape != m.w.shape:
             raise ValueError(f"architecture mask of shape {tuple(a.shape)} does not fit a weight of shape {tuple(m.w.shape)}")
+        if a.dtype != torch.bool and not bool(((a == 0) | (a == 1)).all()):
+            raise ValueError("architecture masks must be boolean or hold only the values 0 and 1")
+    for m, a in zip(masks, architecture):
         _set_from_mask(m, a.to(device=m.w.device, dtype=torch.bool))

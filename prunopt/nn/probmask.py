@@ -62,7 +62,11 @@ class ProbMask(nn.Module):
     ``torch.nn.utils.parametrize.register_parametrization(module, "weight", ProbMask(shape))``).
     In training mode ``m`` is a Gumbel-sigmoid sample of the scores; in eval
     mode it is deterministic: the fixed binary mask if one was set with
-    :meth:`fix`, else ``scores > 0.5``.
+    :meth:`fix` (used in training mode as well), else ``scores > 0.5``.
+
+    The state dict holds the scores and the fixed mask (an empty ``fixed``
+    buffer when none is set); it loads into any ProbMask of the same shape,
+    fixed or not, and the loaded mask is then fixed exactly when the saved one was.
 
     Args:
         shape: the shape of the masked tensor.
@@ -98,6 +102,22 @@ class ProbMask(nn.Module):
         if mask.shape != self.scores.shape:
             raise ValueError(f"mask must have shape {tuple(self.scores.shape)}, got {tuple(mask.shape)}")
         self.fixed = mask.detach().to(device=self.scores.device, dtype=torch.bool).clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # ``fixed`` is empty until :meth:`fix` and has the scores' shape after it, so
+        # a state dict of a finalized mask must load into a fresh one and back: take
+        # the loaded buffer's shape when it is one of the two valid ones (any other
+        # shape is left to the usual size-mismatch error).
+        loaded = state_dict.get(prefix + "fixed")
+        if isinstance(loaded, Tensor) and loaded.shape != self.fixed.shape:
+            shape = tuple(self.scores.shape)
+            scores = state_dict.get(prefix + "scores")
+            scores_ok = not isinstance(scores, Tensor) or tuple(scores.shape) == shape
+            if scores_ok and tuple(loaded.shape) in ((0,), shape):
+                self.fixed = torch.zeros(loaded.shape, dtype=torch.bool, device=self.fixed.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def deterministic_mask(self, k: Optional[int] = None) -> Tensor:
         """``scores > 0.5``, or the ``k`` largest scores (exactly ``k`` ones;

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +42,93 @@ def _paper_beta(n: int) -> float:
     return -math.log(n * n + n - 1) if n > 1 else 0.0
 
 
-def _ulp_neighbours(x: Tensor, k: int) -> Tensor:
-    """x and its k nearest representable neighbours on each side, ascending."""
-    down, up, cur_d, cur_u = [], [], x, x
-    for _ in range(k):
-        cur_d = torch.nextafter(cur_d, torch.tensor(-math.inf, dtype=x.dtype))
-        cur_u = torch.nextafter(cur_u, torch.tensor(math.inf, dtype=x.dtype))
-        down.append(cur_d)
-        up.append(cur_u)
-    return torch.stack(down[::-1] + [x] + up)
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+
+
+def _float_key(x: float, dtype: torch.dtype) -> int:
+    """The rank of ``x`` rounded to ``dtype`` among that dtype's values: consecutive
+    representable numbers have consecutive keys (ulp steps are integer steps)."""
+    bits = int(torch.tensor(x, dtype=dtype).view(_INT_VIEW[dtype]).item())
+    width = torch.finfo(dtype).bits
+    sign = 1 << (width - 1)
+    bits &= (1 << width) - 1
+    return -(bits ^ sign) if bits & sign else bits
+
+
+def _key_float(key: int, dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`_float_key`: a 0-d tensor of ``dtype``."""
+    width = torch.finfo(dtype).bits
+    sign = 1 << (width - 1)
+    bits = key if key >= 0 else (-key) | sign
+    if bits & sign:  # as the signed integer of the same bits
+        bits -= 1 << width
+    return torch.tensor(bits, dtype=_INT_VIEW[dtype]).view(dtype)
+
+
+def _solve_half_gates(n: int, dtype: torch.dtype, device) -> Tuple[Tensor, Tensor]:
+    """``(a, beta)`` (0-d ``dtype`` tensors) such that the signed gates of
+    ``alpha = [a] * n`` are exactly 0.5 when evaluated by :func:`sparse_gate` on
+    ``device``, ``beta`` the nearest such value to the paper's; see
+    :meth:`SparseGate.reset_parameters`. O(n) memory: one candidate is
+    evaluated at a time (a few dozen evaluations at most)."""
+    alpha = torch.empty(n, dtype=dtype, device=device)
+    best = [math.inf, None, None]  # error, alpha key, beta key
+
+    def status(a_key: int, key: int, cache: dict):
+        """0: every gate 0.5; +1: gates above 0.5 (beta must grow); -1: below;
+        None: mixed, or beta not finite."""
+        if key not in cache:
+            beta = _key_float(key, dtype)
+            if not bool(torch.isfinite(beta)):
+                cache[key] = None
+                return None
+            alpha.fill_(_key_float(a_key, dtype).item())
+            out = sparse_gate(alpha, beta.to(device), rgf=False)
+            lo, hi = out.min().item(), out.max().item()
+            err = max(abs(lo - 0.5), abs(hi - 0.5))
+            if err < best[0]:
+                best[:] = [err, a_key, key]
+            cache[key] = 0 if err == 0 else 1 if lo >= 0.5 else -1 if hi <= 0.5 else None
+        return cache[key]
+
+    paper_key = _float_key(_paper_beta(n), dtype)
+    a0_key, half_key = _float_key(0.5 * (n + 1) / n, dtype), _float_key(0.5, dtype)
+    for da in (0, 1, -1, 2, -2, 3, -3, 4, -4):
+        a_key = a0_key + da
+        if a_key <= half_key:  # a <= 0.5 leaves no positive threshold
+            continue
+        cache: dict = {}
+        st = status(a_key, paper_key, cache)
+        if st == 0:
+            return _key_float(a_key, dtype), _key_float(paper_key, dtype)
+        # the solution of a - s n a = 0.5 with the exact sum n a (the op sums in
+        # double, exact for n < 2^29 below float64), then beyond it until the
+        # status changes: the gates fall as beta grows, so the values giving
+        # exactly 0.5 are one run of keys, found nearest the paper's by bisection
+        af = _key_float(a_key, dtype).item()
+        sol = (af - 0.5) / (n * af)
+        far = _float_key(math.log(sol) - math.log1p(-sol), dtype)
+        if st is None:
+            if status(a_key, far, cache) == 0:
+                return _key_float(a_key, dtype), _key_float(far, dtype)
+            continue
+        step = 1
+        while status(a_key, far, cache) == st and step < 1 << 62:
+            far, step = far + st * step, step * 2
+        lo, hi = paper_key, far  # status(lo) == st != status(hi)
+        while abs(hi - lo) > 1:
+            mid = (lo + hi) // 2
+            if status(a_key, mid, cache) == st:
+                lo = mid
+            else:
+                hi = mid
+        if status(a_key, hi, cache) == 0:
+            return _key_float(a_key, dtype), _key_float(hi, dtype)
+    _, a_key, key = best  # no exact pair: the nearest (the paper's if none is finite)
+    if a_key is None:
+        return torch.tensor(0.5 * (n + 1) / n, dtype=dtype), torch.tensor(_paper_beta(n), dtype=dtype)
+    return _key_float(a_key, dtype), _key_float(key, dtype)
 
 
 class SparseGate(nn.Module):
@@ -59,12 +137,17 @@ class SparseGate(nn.Module):
     signed (default, eq. 12):
     :math:`a_i = \mathrm{sign}(\alpha_i)(|\alpha_i| - \sigma(\beta)\|\alpha\|_1)_+`,
     initialised with the paper's :math:`\alpha_i = 0.5 (n+1)/n`,
-    :math:`\beta = -\log(n^2+n-1)` so that every gate is exactly 0.5.
+    :math:`\beta = -\log(n^2+n-1)`, for which every gate is 0.5; the stored pair
+    is the one nearest these values (``alpha`` within 4 ulps, ``beta`` as
+    needed) for which this module's forward gives every gate exactly 0.5 in
+    the parameters' dtype on the device they had at construction (see
+    :meth:`reset_parameters`; after ``.to()`` another dtype or device, call it
+    again to re-solve).
 
     non-negative (``signed=False``, eq. 9-11): :math:`\gamma = e^\alpha`,
     :math:`a = (\gamma - \sigma(\beta)\|\gamma\|_1)_+ / \sum(\cdot)`. These gates
-    sum to 1, so they start at exactly :math:`1/n` (:math:`\alpha = 0`, same
-    :math:`\beta`).
+    sum to 1, so with :math:`\alpha = 0` (same :math:`\beta`) they start equal,
+    at :math:`1/n` up to a few ulps of rounding.
 
     ``rgf=True`` uses the elu(``rgf_alpha``) surrogate gradient of eq. 15 so
     that dropped components keep learning. Calling the module returns ``a``.
@@ -89,29 +172,38 @@ class SparseGate(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The paper's initialisation (a_i = 0.5 signed, 1/n non-negative). In
-        low precision the stored alpha/beta are nudged by a few ulps (the nearest
-        pair found) so that the gates are exactly 0.5 after rounding."""
+        """The paper's initialisation, solved so that the gates are exactly 0.5.
+
+        Non-negative gates: ``alpha = 0``, ``beta = -log(n^2+n-1)`` (gates 1/n up
+        to rounding). Signed gates: every ``alpha_i`` is one value ``a`` and the
+        gates are ``a - sigma(beta) n a`` after the op's own rounding, so the pair
+        is chosen by evaluating the gates (this module's forward, on the
+        parameters' device and dtype; memory ``2n`` values, a few evaluations):
+        ``a`` is the paper's ``0.5 (n+1)/n`` rounded to the dtype (or, when no
+        ``beta`` works for it, the next value above or below, at most 4 ulps
+        away and always ``> 0.5``); ``beta`` is the value of the dtype nearest
+        the paper's ``-log(n^2+n-1)`` for which every gate equals 0.5, found by
+        bisection between the paper's value and the solution of
+        ``a - sigma(beta) n a = 0.5`` (they differ because ``a`` is rounded: by
+        up to a few units in float16/bfloat16 at large ``n``). If no such pair
+        exists, the pair whose gates are nearest 0.5 is kept: with the compiled
+        op none was missing for any tested ``n`` up to 10^6 in float16,
+        bfloat16, float32 and float64; the pure-PyTorch fallback (no extension)
+        computes in the dtype, where float16 cannot hold the threshold from
+        ``n`` about 10^5.
+        """
         n = self.num_gates
         if not self.signed:
             self.alpha.zero_()
             self.beta.fill_(_paper_beta(n))
             return
-        a0 = torch.tensor(0.5 * (n + 1) / n, dtype=torch.float64).to(self.alpha.dtype)
-        b0 = torch.tensor(_paper_beta(n), dtype=torch.float64).to(self.beta.dtype)
-        # candidates a few ulps around the paper's values, evaluated in one batch
-        a_c = _ulp_neighbours(a0, 4)
-        b_c = _ulp_neighbours(b0, 32)
-        al = a_c.repeat_interleave(len(b_c)).unsqueeze(1).expand(-1, n)
-        be = b_c.repeat(len(a_c))
-        out = sparse_gate(al.to(self.alpha.device), be.to(self.beta.device))
-        exact = (out == 0.5).all(1).cpu()
-        dist = ((torch.arange(len(a_c)) - 4).abs().repeat_interleave(len(b_c)) * 8
-                + (torch.arange(len(b_c)) - 32).abs().repeat(len(a_c)))
-        dist = torch.where(exact, dist, torch.full_like(dist, 1 << 30))
-        k = int(dist.argmin()) if bool(exact.any()) else 4 * len(b_c) + 32
-        self.alpha.fill_(al[k, 0].item())
-        self.beta.fill_(be[k].item())
+        if self.alpha.device.type == "meta":  # no data to evaluate: the paper's values
+            self.alpha.fill_(0.5 * (n + 1) / n)
+            self.beta.fill_(_paper_beta(n))
+            return
+        a, b = _solve_half_gates(n, self.alpha.dtype, self.alpha.device)
+        self.alpha.fill_(a.item())
+        self.beta.fill_(b.item())
 
     def forward(self) -> Tensor:
         return sparse_gate(self.alpha, self.beta, signed=self.signed, rgf=self.rgf, rgf_alpha=self.rgf_alpha)
@@ -157,18 +249,25 @@ def _load_from_batchnorm(sbn: SparseBatchNorm2d, bn: nn.BatchNorm2d, preserve: b
         sbn.running_mean.copy_(bn.running_mean)
         sbn.running_var.copy_(bn.running_var)
         sbn.num_batches_tracked.copy_(bn.num_batches_tracked)
-    if not (preserve and bn.affine):
+    if not preserve:
         return
-    w, b = bn.weight.detach().double(), bn.bias.detach().double()
-    n = w.numel()
+    n = bn.num_features
+    if bn.affine:
+        w, b = bn.weight.detach().double(), bn.bias.detach().double()
+    else:  # y = x_hat: a = 1, b = 0
+        w = torch.ones(n, dtype=torch.float64, device=sbn.gate.alpha.device)
+        b = torch.zeros_like(w)
     s0 = 1.0 / (n * n + n)  # the paper's initial threshold fraction
-    # a_i = sign(w_i)(|w_i| + s0 L) - ... = w_i  with  L = ||alpha||_1 = ||w||_1 / (1 - n s0)
-    L = w.abs().sum() / (1 - n * s0)
-    alpha = torch.sign(w) * (w.abs() + s0 * L)
-    alpha = torch.where(w == 0, torch.zeros_like(w), alpha)
+    # a_i = sign(w_i)(|alpha_i| - s0 L) = w_i with |alpha_i| = |w_i| + s0 L for the m
+    # non-zero weights (alpha_i = 0 where w_i = 0), so L = ||alpha||_1 = ||w||_1 + m s0 L,
+    # i.e. L = ||w||_1 / (1 - m s0)  (m <= n, so 1 - m s0 >= n / (n + 1) > 0)
+    nz = w != 0
+    m = int(nz.sum())
+    L = w.abs().sum() / (1 - m * s0)
+    alpha = torch.where(nz, torch.sign(w) * (w.abs() + s0 * L), torch.zeros_like(w))
     sbn.gate.alpha.copy_(alpha)
     sbn.gate.beta.fill_(math.log(s0 / (1 - s0)))
-    sbn.shift.copy_(torch.where(w != 0, b / torch.where(w != 0, w, torch.ones_like(w)), torch.zeros_like(b)))
+    sbn.shift.copy_(torch.where(nz, b / torch.where(nz, w, torch.ones_like(w)), torch.zeros_like(b)))
 
 
 def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed: bool = True, rgf: bool = True,
@@ -180,7 +279,8 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
     are copied and the gate is solved for :math:`a = w` (the BN weight) at the
     paper's initial threshold :math:`\sigma(\beta) = 1/(n^2+n)`, with
     :math:`b = \mathrm{bias}/w` (channels with :math:`w = 0` become zero gates and
-    lose their constant bias). ``preserve=False`` uses the paper's
+    lose their constant bias); a BatchNorm2d with ``affine=False`` gets
+    :math:`a = 1`, :math:`b = 0`. ``preserve=False`` uses the paper's
     initialisation (every gate 0.5) with statistics copied.
     """
     if not isinstance(model, nn.Module):

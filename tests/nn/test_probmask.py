@@ -128,3 +128,38 @@ def test_compiled_forward():
     x = torch.rand(2, 1, 8, 8)
     compiled = torch.compile(model)
     torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_state_dict_round_trips_between_fixed_and_unfixed_masks():
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 3))
+        apply_probmask(m)
+        with torch.no_grad():
+            for p in probmask_scores(m):
+                p.copy_(torch.rand_like(p))
+        return m
+
+    fixed = make()
+    k = finalize_probmask(fixed, 0.3)
+    fresh = make()
+    fresh.load_state_dict(fixed.state_dict())  # fixed -> fresh: takes the fixed mask
+    pm = fresh[0].parametrizations.weight[0]
+    assert pm.fixed.shape == (3, 4) and int(pm.fixed.sum()) == k
+    assert probmask_density(fresh) == pytest.approx(k / 12)
+    fresh.train()
+    torch.testing.assert_close(fresh[0].weight, fixed[0].weight)
+    # fresh -> fixed: the mask is no longer fixed, as in the saved model
+    fixed.load_state_dict(make().state_dict())
+    assert fixed[0].parametrizations.weight[0].fixed.numel() == 0
+    # a fixed mask of the wrong shape is still a size-mismatch error
+    sd = make().state_dict()
+    sd["0.parametrizations.weight.0.fixed"] = torch.ones(2, 2, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        make().load_state_dict(sd)
+    # ProM (ProbMaskInput) as well
+    a, b = ProbMaskInput((2, 3)), ProbMaskInput((2, 3))
+    a.mask_module.fix(torch.tensor([[1, 0, 1], [0, 0, 1]], dtype=torch.bool))
+    b.load_state_dict(a.state_dict())
+    b.eval()
+    torch.testing.assert_close(b(torch.ones(2, 3)), torch.tensor([[1.0, 0, 1], [0, 0, 1]]))

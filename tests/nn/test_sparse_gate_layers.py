@@ -255,3 +255,60 @@ def test_layers_under_torch_compile_model():
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     for u, v in zip(gc, ge):
         torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [3, 20000, 100003])
+def test_gates_exactly_half_at_large_n_with_linear_memory(n, dtype, monkeypatch):
+    # the solve evaluates one n-sized candidate at a time (it used to stack ~585 of
+    # them, and at n = 20000 float32 every gate came out 0.49999997)
+    import prunopt.nn.sparsification as sp
+
+    sizes = []
+    real = sp.sparse_gate
+
+    def spy(alpha, beta, *args, **kwargs):
+        sizes.append(alpha.numel())
+        return real(alpha, beta, *args, **kwargs)
+
+    monkeypatch.setattr(sp, "sparse_gate", spy)
+    g = SparseGate(n, dtype=dtype)
+    assert sizes and max(sizes) == n and len(sizes) <= 40
+    monkeypatch.setattr(sp, "sparse_gate", real)
+    assert torch.equal(g(), torch.full((n,), 0.5, dtype=dtype))
+    assert bool((g.alpha > 0.5).all())  # a positive threshold, alpha within 4 ulps of the paper's
+    a0 = torch.tensor(0.5 * (n + 1) / n, dtype=dtype).item()
+    ulp = torch.finfo(dtype).eps / 2  # alpha is in [0.5, 1)
+    assert abs(g.alpha[0].item() - a0) <= 4 * ulp
+
+
+def test_convert_preserve_affine_false_and_zero_weights():
+    torch.manual_seed(4)
+    x = torch.randn(4, 3, 5, 5)
+    bn = nn.BatchNorm2d(3, affine=False)
+    for _ in range(3):
+        bn(torch.randn(4, 3, 5, 5) * 2 + 1)
+    model = nn.Sequential(bn).eval()
+    ref = model(x)
+    convert_to_sparse_batchnorm(model)  # y = x_hat: a = 1, b = 0
+    torch.testing.assert_close(model[0].gates(), torch.ones(3))
+    torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)
+    # weights that are exactly 0: the solve counts only the non-zero ones
+    bn = nn.BatchNorm2d(2)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 0.0]))
+        bn.bias.zero_()
+    model = nn.Sequential(bn).eval()
+    ref = model(x[:, :2])
+    convert_to_sparse_batchnorm(model)
+    torch.testing.assert_close(model[0].gates(), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(model(x[:, :2]), ref, atol=1e-5, rtol=1e-5)
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 0.0, -2.0]))
+        bn.bias.copy_(torch.tensor([0.1, 0.0, 0.3]))  # the w = 0 channel has no bias to lose
+    model = nn.Sequential(bn).eval()
+    ref = model(x)
+    convert_to_sparse_batchnorm(model)
+    torch.testing.assert_close(model[0].gates(), torch.tensor([1.0, 0.0, -2.0]))
+    torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)

@@ -98,6 +98,38 @@ def test_layer_densities_reshuffle_and_transfer():
         apply_architecture(two_temperature_masks(other), before[:-1])
 
 
+def _frozen_state(masks):
+    return [(m.w.clone(), bool(m.frozen), m.w.requires_grad) for m in masks]
+
+
+def _same_state(masks, state):
+    return all(torch.equal(m.w, w) and bool(m.frozen) == f and m.w.requires_grad == rg
+               for m, (w, f, rg) in zip(masks, state))
+
+
+def test_reshuffle_and_apply_architecture_validate_before_writing():
+    torch.manual_seed(3)
+    masks = two_temperature_masks(wrap_two_temperature_masks(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))))
+    state = _frozen_state(masks)
+    # a bad entry for the last layer leaves the earlier layers untouched
+    for bad, err in (([0.5, 1.5], ValueError), ([0.5, float("nan")], ValueError), ([0.5, "0.5"], TypeError),
+                     ([0.5, True], TypeError)):
+        with pytest.raises(err, match="densities"):
+            reshuffle_masks(masks, bad)
+        assert _same_state(masks, state)
+    good = torch.ones(6, 4, dtype=torch.bool)
+    for bad, err in (([good, torch.zeros(3, 3, dtype=torch.bool)], ValueError),
+                     ([good, [[1] * 6] * 2], TypeError),
+                     ([good, torch.full((2, 6), 0.3)], ValueError)):
+        with pytest.raises(err, match="architecture"):
+            apply_architecture(masks, bad)
+        assert _same_state(masks, state)
+    # 0/1 values of any dtype are accepted
+    apply_architecture(masks, [good, torch.tensor([[1.0, 0.0] * 3] * 2)])
+    assert torch.equal(extract_architecture(masks)[1], torch.tensor([[True, False] * 3] * 2))
+    assert all(bool(m.frozen) for m in masks)
+
+
 @pytest.mark.parametrize("bad", [0.0, -5.0, float("inf"), float("nan")])
 def test_invalid_temperatures(bad):
     with pytest.raises(ValueError, match="t_l"):
