@@ -2,21 +2,32 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Dict
 
 __all__ = ["DensitySchedule", "TemperatureSchedule"]
 
 
 def _check_step(step) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        try:
-            import torch
+    """A step count: an int (or NumPy integer) >= 0, or a one-element tensor
+    holding one (e.g. ``torch.optim``'s float ``state["step"]``); the same
+    checks apply to both, and a tensor with a non-integral value is rejected."""
+    import torch
 
-            if isinstance(step, torch.Tensor) and step.numel() == 1:
-                return int(step.item())
-        except ImportError:  # pragma: no cover
-            pass
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise TypeError(f"step must be an int or a one-element tensor, got a tensor of shape {tuple(step.shape)}")
+        if step.dtype == torch.bool or step.is_complex():
+            raise TypeError(f"step must be an int or a one-element tensor, got a {step.dtype} tensor")
+        value = step.item()
+        if isinstance(value, float):
+            if not (math.isfinite(value) and value == math.floor(value)):
+                raise ValueError(f"step must be a whole number, got {value}")
+            value = int(value)
+        step = value
+    elif isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
+    step = int(step)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return step

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,25 @@ def test_density_schedule_bad_step():
         s(1.5)
     with pytest.raises(ValueError, match="alpha"):
         DensitySchedule.from_acceleration(0.5, 0, 10)
+
+
+def test_tensor_steps_get_the_same_checks():
+    d = DensitySchedule(0.25, 10, 20)
+    t = TemperatureSchedule(1.0, 0.1, 10)
+    # integral tensors of any dtype (torch.optim keeps state["step"] as a float tensor)
+    assert d(torch.tensor(15)) == d(15) == d(torch.tensor(15.0)) == d(np.int64(15))
+    assert t(torch.tensor(5.0, dtype=torch.float64)) == t(5)
+    for bad in (torch.tensor(-3), torch.tensor(-3.0)):  # used to extrapolate
+        with pytest.raises(ValueError, match="step"):
+            t(bad)
+        with pytest.raises(ValueError, match="step"):
+            d(bad)
+    for bad in (torch.tensor(15.7), torch.tensor(float("nan")), torch.tensor(float("inf"))):  # 15.7 was truncated
+        with pytest.raises(ValueError, match="step"):
+            d(bad)
+    for bad in (torch.tensor(True), torch.tensor([1, 2]), torch.tensor(1 + 0j)):
+        with pytest.raises(TypeError, match="step"):
+            d(bad)
 
 
 def test_temperature_schedule():

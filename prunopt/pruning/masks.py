@@ -389,8 +389,11 @@ class Masker:
 
     # ---------------------------------------------------------------- export
     def remove(self, to_conv2d: bool = False) -> nn.Module:
-        """Bake the masks in and leave a plain model (see :func:`remove_masks`)."""
-        return remove_masks(self.model, to_conv2d=to_conv2d)
+        """Bake this masker's masks in and leave a plain model (see
+        :func:`remove_masks`).  Only the masker's own tensors are touched
+        (``to_conv2d`` replaces only its ``FBConv2d`` layers); every layer is
+        checked before any is changed.  Returns the model."""
+        return _bake_masks(self.model, list(self.tensors.values()), to_conv2d)
 
 
 def remove_masks(model: nn.Module, to_conv2d: bool = False) -> nn.Module:
@@ -398,23 +401,41 @@ def remove_masks(model: nn.Module, to_conv2d: bool = False) -> nn.Module:
 
     Conv2d/Linear: the :class:`WeightMask` parametrization is removed and
     ``weight`` becomes a plain ``Parameter`` equal to ``w * mu`` (the same
-    Parameter object, so optimizers stay valid).  FBConv2d: ``lam <- lam * mu``;
-    with ``to_conv2d=True`` the layer is replaced by the equivalent
-    ``nn.Conv2d`` (``FBConv2d.to_conv2d()``, paper App. E).  Returns ``model``."""
+    Parameter object, so optimizers stay valid); layers whose weight has no
+    :class:`WeightMask` (unmasked, or parametrized by something else) are left
+    alone.  FBConv2d: ``lam <- lam * mu``; with ``to_conv2d=True`` the layer is
+    replaced by the equivalent ``nn.Conv2d`` (``FBConv2d.to_conv2d()``, paper
+    App. E).  A weight with a :class:`WeightMask` and another parametrization is
+    a ``ValueError``, raised before any layer is changed.  Returns ``model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    return _bake_masks(model, list(prunable_tensors(model).values()), to_conv2d)
+
+
+def _bake_masks(model: nn.Module, pts: List[PrunableTensor], to_conv2d: bool) -> nn.Module:
+    plan = []
+    for pt in pts:  # check every layer first: nothing changes on an error
+        m = pt.module
+        if pt.interspace:
+            plan.append(pt)
+        elif parametrize.is_parametrized(m, "weight"):
+            plist = list(m.parametrizations.weight)
+            if not any(isinstance(p, WeightMask) for p in plist):
+                continue  # not a prunopt mask
+            if not all(isinstance(p, WeightMask) for p in plist):
+                raise ValueError(f"{pt.name} has parametrizations other than WeightMask; remove them first")
+            plan.append(pt)
     with torch.no_grad():
-        for pt in list(prunable_tensors(model).values()):
+        for pt in plan:
             m = pt.module
             if pt.interspace:
                 m.coefficients.mul_(m.mask.to(m.coefficients.dtype))
-            elif parametrize.is_parametrized(m, "weight"):
-                others = [p for p in m.parametrizations.weight if not isinstance(p, WeightMask)]
-                if others:
-                    raise ValueError(f"{pt.name} has parametrizations other than WeightMask; remove them first")
+            else:
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
         if to_conv2d:
-            for name, m in list(model.named_modules()):
-                if is_fb_conv(m):
-                    _replace(model, name, m.to_conv2d())
+            for pt in plan:
+                if pt.interspace:
+                    _replace(model, pt.module_name, pt.module.to_conv2d())
     return model
 
 

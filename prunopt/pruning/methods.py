@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -278,7 +279,9 @@ class LotteryTicket(PruningMethod):
     ``last_step`` are rewound to ``t0`` while the new masks stay.  The number of
     trainings is A.75 (:func:`lottery_ticket_trainings`).  Tensors in ``dense``
     (default: the last prunable tensor when it is a Linear layer, i.e. the
-    classifier) are never pruned; ``sparsity`` refers to the others."""
+    classifier) are never pruned; ``sparsity`` refers to the others, and a
+    ``ValueError`` is raised at construction when there are none (e.g. a model
+    whose only prunable layer is its classifier: pass ``dense=[]``)."""
 
     def __init__(self, masker: Masker, optimizer: torch.optim.Optimizer, sparsity: float, t0: int = 0,
                  scheduler=None, rate: float = 0.2, dense: Optional[Sequence[str]] = None):
@@ -294,11 +297,18 @@ class LotteryTicket(PruningMethod):
             raise ValueError(f"rate must be in (0, 1), got {rate!r}")
         self.rate = float(rate)
         self.t0 = _check_int(t0, "t0", 0)
-        masker.attach(optimizer)
         if dense is None:
             last = list(masker.tensors.values())[-1]
             dense = [last.name] if isinstance(last.module, nn.Linear) else []
+        elif isinstance(dense, str):
+            raise TypeError("dense must be a sequence of layer names, not a string")
         self.dense = [masker[n].name for n in dense]  # validates names
+        if sum(masker[n].parameter.numel() for n in self.prunable) == 0:
+            raise ValueError(
+                f"nothing to prune: every masked tensor is in dense={self.dense} (or empty); the default dense "
+                "is the last tensor when it is a Linear layer (the classifier): pass dense=[] to prune it as well"
+            )
+        masker.attach(optimizer)
         self.rounds_done = 0
         self._snapshot = None
         if self.t0 == 0:
@@ -364,7 +374,15 @@ class LotteryTicket(PruningMethod):
 
 
 def cosine_drop_fraction(t: int, total_steps: int, p_init: float = 0.5, p_min: float = 0.005) -> float:
-    """Drop fraction of DST (A.77): ``p_t = p_min + (p_init - p_min)(1 + cos(pi t / T)) / 2``."""
+    """Drop fraction of DST (A.77): ``p_t = p_min + (p_init - p_min)(1 + cos(pi t / T)) / 2``.
+
+    ``total_steps`` (``T``) is an int >= 1 and ``t`` a finite number >= 0;
+    otherwise ``TypeError``/``ValueError`` naming the argument."""
+    total_steps = _check_int(total_steps, "total_steps", 1)
+    if isinstance(t, bool) or not isinstance(t, numbers.Real):
+        raise TypeError(f"t must be a real number, got {type(t).__name__}")
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"t must be a finite number >= 0, got {t}")
     return p_min + 0.5 * (p_init - p_min) * (1.0 + math.cos(math.pi * t / total_steps))
 
 
@@ -418,10 +436,23 @@ class DynamicSparseTraining(PruningMethod):
         return cosine_drop_fraction(self.last_step if t is None else t, self.total_steps, self.p_init, self.p_min)
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> None:
+        """Re-impose the masks, advance ``last_step`` and, on update steps, drop
+        and grow (:meth:`update`).  RigL without ``closure`` on an update step
+        raises ``ValueError`` before anything changes; if the update itself
+        fails (e.g. a bad closure), ``last_step`` is restored, so the step can
+        be retried."""
+        t = self.last_step + 1
+        due = t % self.update_interval == 0 and t < self.total_steps
+        if due and self.mode == "rigl" and closure is None:
+            raise ValueError(f"RigL needs closure= (a function returning the loss of one batch) on update steps "
+                             f"(step {t} is one)")
         super().step()
-        t = self.last_step
-        if t % self.update_interval == 0 and t < self.total_steps:
-            self.update(closure)
+        if due:
+            try:
+                self.update(closure)
+            except BaseException:
+                self.last_step = t - 1
+                raise
 
     def update(self, closure: Optional[Callable[[], Tensor]] = None) -> None:
         """One drop-and-grow update of every layer at drop fraction ``p_t`` (A.77)."""

@@ -39,10 +39,28 @@ def check_sparsity(p, name: str = "sparsity") -> float:
 
 
 def kept_count(sparsity: float, d: int) -> int:
-    """``k = floor((1 - p) * d)`` (eq. A.39), computed so that e.g. ``p = 0.9,
-    d = 10`` gives 1 and not 0 through rounding of ``1 - 0.9``."""
-    x = (1.0 - sparsity) * d
-    k = math.floor(x + 1e-9 * max(1.0, abs(x)))
+    """``k = floor((1 - p) * d)`` (eq. A.39), clamped to ``[0, d]``.
+
+    The product is computed exactly from the float ``p`` (integer arithmetic),
+    and a value within ``d * 2**-50`` below an integer (float noise: a few ulps
+    of ``p``, e.g. ``1 - 0.9`` is ``0.09999999999999998``) counts as that
+    integer, so ``p = 0.9, d = 10`` gives 1 and not 0, while e.g.
+    ``p = 0.5, d = 2_000_000_001`` gives exactly 1_000_000_000 (the guard stays
+    below one unit for ``d < 2**50``, far beyond any tensor).
+
+    Raises:
+        TypeError / ValueError: ``sparsity`` not a real number in [0, 1], or
+            ``d`` not an int >= 0.
+    """
+    p = check_sparsity(sparsity)
+    if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+        raise TypeError(f"d must be an int, got {type(d).__name__}")
+    d = int(d)
+    if d < 0:
+        raise ValueError(f"d must be >= 0, got {d}")
+    num, den = p.as_integer_ratio()  # p = num / den exactly, den a power of two
+    # floor(((den - num) d + d den 2^-50) / den), all in integers
+    k = ((den - num) * d * (1 << 50) + d * den) // (den << 50)
     return max(0, min(d, k))
 
 
@@ -109,6 +127,15 @@ def layerwise_masks(
     return out
 
 
+def _check_shape(shape, name: str) -> tuple:
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, torch.Size)):
+        raise TypeError(f"shapes[{name!r}] must be a sequence of ints, got {type(shape).__name__}")
+    dims = tuple(shape)
+    if not dims or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0 for x in dims):
+        raise ValueError(f"shapes[{name!r}] must be a non-empty sequence of ints >= 0, got {shape!r}")
+    return tuple(int(x) for x in dims)
+
+
 def erk_densities(
     shapes: Mapping[str, Sequence[int]], density: float, dense: Optional[Sequence[str]] = None
 ) -> "OrderedDict[str, float]":
@@ -121,7 +148,8 @@ def erk_densities(
     has ``K`` instead of ``K^2`` in the denominator; we follow RigL's definition
     (sum of dimensions over their product), which A.76 cites.  Layers whose
     density would exceed 1 are made dense and ``eps`` is re-solved for the rest
-    (RigL's procedure); names in ``dense`` are dense from the start."""
+    (RigL's procedure); names in ``dense`` are dense from the start, and so are
+    layers with no entries (a zero in their shape: nothing to prune)."""
     d = check_sparsity(density, "density")
     if not isinstance(shapes, Mapping) or not shapes:
         raise ValueError("shapes must be a non-empty mapping of tensor names to shapes")
@@ -129,11 +157,12 @@ def erk_densities(
     unknown = dense - set(shapes)
     if unknown:
         raise ValueError(f"dense: unknown layer name(s) {sorted(unknown)}")
-    n = {k: math.prod(int(x) for x in s) for k, s in shapes.items()}
-    raw = {k: sum(int(x) for x in s) / n[k] for k, s in shapes.items()}
+    n = {k: math.prod(_check_shape(s, k)) for k, s in shapes.items()}
+    # an empty layer has nothing to prune: dense (it takes no budget)
+    raw = {k: sum(int(x) for x in s) / n[k] if n[k] else 0.0 for k, s in shapes.items()}
     total = sum(n.values())
     budget = d * total
-    is_dense = {k: (k in dense) for k in shapes}
+    is_dense = {k: (k in dense or n[k] == 0) for k in shapes}
     if sum(n[k] for k in shapes if is_dense[k]) > budget + 1e-9:
         raise ValueError(f"density {d} is too small for the layers required to stay dense")
     while True:
@@ -155,7 +184,7 @@ def erk_counts(
     to ``floor(density * sum_l n_l)`` (largest-remainder rounding, never above
     ``n_l``; ties to the earlier layer)."""
     dens = erk_densities(shapes, density, dense)
-    n = {k: math.prod(int(x) for x in s) for k, s in shapes.items()}
+    n = {k: math.prod(_check_shape(s, k)) for k, s in shapes.items()}
     total = sum(n.values())
     target = kept_count(1.0 - float(density), total)
     exact = {k: dens[k] * n[k] for k in shapes}

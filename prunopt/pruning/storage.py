@@ -3,6 +3,7 @@ and the entropy-coded bound (paper App. C, eq. A.2)."""
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -92,14 +93,17 @@ class CSRTensor:
 
 
 def to_csr(weight: Tensor) -> CSRTensor:
-    """CSR of ``weight`` (its exact zeros are dropped)."""
+    """CSR of ``weight`` (its exact zeros are dropped).  Any tensor with at least
+    one dimension, including ones with no entries (e.g. ``(0, 5)``: a matrix
+    with no rows)."""
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
     if weight.dim() < 1:
         raise ValueError("weight must have at least one dimension")
     w = weight.detach()
-    rows = w.shape[0]
-    mat = w.reshape(rows, -1) if w.dim() > 1 else w.reshape(1, -1)
+    # explicit sizes: reshape(rows, -1) is ambiguous for a tensor with no entries
+    rows, cols = (w.shape[0], math.prod(w.shape[1:])) if w.dim() > 1 else (1, w.shape[0])
+    mat = w.reshape(rows, cols)
     with warnings.catch_warnings():  # "sparse CSR support is in beta"
         warnings.simplefilter("ignore", UserWarning)
         csr = mat.to_sparse_csr()
@@ -116,8 +120,7 @@ def from_csr(c: CSRTensor) -> Tensor:
     """The dense tensor of a :class:`CSRTensor` (exact round trip of ``to_csr``)."""
     if not isinstance(c, CSRTensor):
         raise TypeError(f"c must be a CSRTensor, got {type(c).__name__}")
-    rows = c.shape[0] if len(c.shape) > 1 else 1
-    cols = math.prod(c.shape) // rows if rows else 0
+    rows, cols = (c.shape[0], math.prod(c.shape[1:])) if len(c.shape) > 1 else (1, math.prod(c.shape))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         mat = torch.sparse_csr_tensor(c.crow_indices.long(), c.col_indices.long(), c.values, size=(rows, cols))
@@ -133,7 +136,12 @@ def mask_entropy_bits(p: float) -> float:
 
 def entropy_bound(p: float, value_bits: int = 32) -> float:
     """Fraction of the dense size needed with an entropy-coded mask plus the
-    non-zero values in full precision: ``S / 32 + (1 - p)`` (App. C, eq. A.2)."""
+    non-zero values in full precision: ``S / value_bits + (1 - p)`` (App. C,
+    eq. A.2; ``value_bits = 32`` for float32).  ``value_bits`` is an int >= 1."""
+    if isinstance(value_bits, bool) or not isinstance(value_bits, numbers.Integral):
+        raise TypeError(f"value_bits must be an int, got {type(value_bits).__name__}")
+    if value_bits < 1:
+        raise ValueError(f"value_bits must be >= 1, got {value_bits}")
     return mask_entropy_bits(p) / value_bits + (1.0 - p)
 
 

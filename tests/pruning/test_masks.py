@@ -166,6 +166,37 @@ def test_remove_leaves_plain_model():
     torch.testing.assert_close(model(x), before, rtol=0, atol=0)
 
 
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_remove_touches_only_the_maskers_layers_and_checks_first():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
+    parametrize.register_parametrization(m[1], "weight", _Double())  # not a prunopt mask
+    masker = Masker(m, include=["0", "2"])
+    masker.set_masks({"0": torch.rand(4, 4) > 0.5})
+    mask0 = masker.masks()["0.weight"]
+    parametrize.register_parametrization(m[2], "weight", _Double())  # WeightMask + another one
+    with pytest.raises(ValueError, match="2.weight"):
+        masker.remove()
+    # nothing was baked: layer 0 still has its mask
+    assert parametrize.is_parametrized(m[0], "weight") and isinstance(m[0].parametrizations.weight[0], WeightMask)
+    with pytest.raises(ValueError, match="2.weight"):
+        remove_masks(m)
+    assert parametrize.is_parametrized(m[0], "weight")
+    parametrize.remove_parametrizations(m[2], "weight", leave_parametrized=False)
+    x = torch.randn(3, 4)
+    before = m(x)
+    masker = Masker(nn.Sequential(*m[:2]), include=["0"])  # layer 1 (_Double only) is not the masker's
+    masker.remove()
+    assert not parametrize.is_parametrized(m[0]) and isinstance(m[1].parametrizations.weight[0], _Double)
+    assert bool((m[0].weight[~mask0] == 0).all()) and not parametrize.is_parametrized(m[2])
+    torch.testing.assert_close(m(x), before)
+    remove_masks(m)  # layers without a WeightMask are left alone
+    assert isinstance(m[1].parametrizations.weight[0], _Double)
+
 def test_dense_gradients_match_unmasked_model():
     torch.manual_seed(0)
     model = TinyNet(bn=False)

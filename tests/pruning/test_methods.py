@@ -219,6 +219,49 @@ def test_dst_drop_fraction_a77_and_errors():
         DynamicSparseTraining(masker, 0.5, total_steps=10, mode="snip")
     with pytest.raises(ValueError, match="total_steps"):
         DynamicSparseTraining(masker, 0.5, total_steps=0)
+    with pytest.raises(ValueError, match="total_steps"):
+        cosine_drop_fraction(0, 0)  # was a ZeroDivisionError
+    with pytest.raises(ValueError, match="t must"):
+        cosine_drop_fraction(-1, 10)
+    with pytest.raises(TypeError, match="total_steps"):
+        cosine_drop_fraction(0, 10.0)
+
+
+def test_rigl_step_without_closure_loses_nothing():
+    torch.manual_seed(0)
+    model = TinyNet(c=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masker = Masker(model, opt)
+    dst = DynamicSparseTraining(masker, 0.5, total_steps=100, mode="rigl", update_interval=2,
+                                generator=torch.Generator().manual_seed(1))
+    _train_step(model, opt, dst, 0)  # t = 1: not an update step, no closure needed
+    masks = masker.masks()
+    with pytest.raises(ValueError, match="closure"):
+        dst.step()  # t = 2 is an update step
+    assert dst.last_step == 1 and dst.updates == 0
+    assert all(torch.equal(masks[n], m) for n, m in masker.masks().items())
+    x, y = batch(seed=1)
+    with pytest.raises(TypeError, match="scalar"):
+        dst.step(closure=lambda: model(x))  # a failing update restores the counter too
+    assert dst.last_step == 1 and dst.updates == 0
+    dst.step(closure=lambda: F.cross_entropy(model(x), y))  # the retry performs the update
+    assert dst.last_step == 2 and dst.updates == 1
+    assert any(not torch.equal(masks[n], m) for n, m in masker.masks().items())
+
+
+def test_lottery_ticket_with_nothing_to_prune_is_a_value_error():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masker = Masker(model)
+    with pytest.raises(ValueError, match="nothing to prune"):
+        LotteryTicket(masker, opt, 0.5)  # its only layer is the classifier, dense by default
+    assert masker.optimizers == []  # nothing was attached
+    with pytest.raises(TypeError, match="dense"):
+        LotteryTicket(masker, opt, 0.5, dense="0")
+    lt = LotteryTicket(masker, opt, 0.5, dense=[])
+    assert lt.current_sparsity() == 0.0
+    lt.prune_and_rewind()
+    assert lt.current_sparsity() == pytest.approx(0.2, abs=1 / 12)
 
 
 def test_gmp_follows_a82():

@@ -1,6 +1,7 @@
 """Global (A.39-A.40) / layerwise selection with the documented tie rule, and
 ERK densities (A.76)."""
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -75,6 +76,21 @@ def test_kept_count_rounding():
     assert kept_count(0.9, 10) == 1
     assert kept_count(0.7, 10) == 3
     assert kept_count(1.0, 10) == 0 and kept_count(0.0, 10) == 10
+    # large d: exact floor (a relative 1e-9 guard used to add one)
+    assert kept_count(0.5, 2_000_000_001) == 1_000_000_000
+    assert kept_count(0.3, 1_000_000_007) == 700_000_004
+    assert kept_count(0.5, 2**45 + 1) == 2**44
+    assert kept_count(0.0, 0) == 0 and kept_count(0.25, 4) == 3
+    for p in (0.1, 0.2, 0.3, 0.6, 0.7, 0.9, 0.99):  # float noise of decimal rates
+        for d in (10, 100, 1000, 10**6 + 1, 10**9 + 7):
+            exact = Fraction(1) - Fraction(str(p))
+            assert kept_count(p, d) == math.floor(exact * d), (p, d)
+    with pytest.raises(ValueError, match="sparsity"):
+        kept_count(1.5, 10)
+    with pytest.raises(ValueError, match="d must"):
+        kept_count(0.5, -1)
+    with pytest.raises(TypeError, match="d must"):
+        kept_count(0.5, 10.0)
 
 
 SHAPES = {"c1": (16, 3, 3, 3), "c2": (32, 16, 3, 3), "c3": (64, 32, 3, 3), "c4": (64, 64, 3, 3), "fc": (10, 64)}
@@ -99,6 +115,17 @@ def test_erk_small_layers_become_dense():
     dens = erk_densities(SHAPES, 0.5)
     assert dens["c1"] == 1.0  # 3 input channels: ERK density > 1 is capped
     assert dens["c4"] < dens["c2"]
+
+
+def test_erk_zero_sized_layer_is_dense_and_takes_no_budget():
+    shapes = {"empty": (0, 3), "b": (4, 4)}
+    assert erk_densities(shapes, 0.5) == {"empty": 1.0, "b": 0.5}  # was a ZeroDivisionError
+    assert erk_counts(shapes, 0.5) == {"empty": 0, "b": 8}
+    assert erk_counts({"empty": (3, 0, 2)}, 0.3) == {"empty": 0}
+    with pytest.raises(ValueError, match=r"shapes\['b'\]"):
+        erk_densities({"a": (2, 2), "b": (2, -1)}, 0.5)
+    with pytest.raises(TypeError, match=r"shapes\['a'\]"):
+        erk_densities({"a": "22"}, 0.5)
 
 
 def test_erk_errors():

@@ -9,7 +9,7 @@ from prunopt.pruning import Masker, entropy_bound, export_csr, from_csr, mask_en
 from _pruning_helpers import TinyNet, random_masks
 
 
-@pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 3, 3, 3), (300, 2), (1, 1), (3, 0)])
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 3, 3, 3), (300, 2), (1, 1), (3, 0), (0, 5), (0,), (0, 2, 3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 def test_csr_round_trip_and_bytes(shape, dtype, density):
@@ -22,7 +22,7 @@ def test_csr_round_trip_and_bytes(shape, dtype, density):
     assert torch.equal(back, w)
     nnz = int(w.count_nonzero())
     rows = shape[0] if len(shape) > 1 else 1
-    cols = math.prod(shape) // rows if rows else 0
+    cols = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
     assert c.values.numel() == nnz
     expected = nnz * w.element_size() + nnz * c.col_indices.element_size() + (rows + 1) * c.crow_indices.element_size()
     assert c.nbytes == expected
@@ -37,6 +37,11 @@ def test_entropy_bound_eq_a2():
     assert entropy_bound(p) == pytest.approx(S / 32 + 1 - p)
     with pytest.raises(ValueError, match="p must be"):
         mask_entropy_bits(1.5)
+    assert entropy_bound(p, 16) == pytest.approx(S / 16 + 1 - p)
+    with pytest.raises(ValueError, match="value_bits"):
+        entropy_bound(0.5, 0)  # was a ZeroDivisionError
+    with pytest.raises(TypeError, match="value_bits"):
+        entropy_bound(0.5, 32.0)
 
 
 def test_export_model():
