@@ -8,17 +8,26 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import List, Optional
 
 
-def _fraction(name):
+def _number(text: str, name: str, what: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{name} must be {what}, got {v}")
+    return v
+
+
+def fraction_arg(name: str):
+    """argparse ``type=`` for a number in [0, 1] (the option's ``name`` is in the message)."""
     def parse(text):
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number in [0, 1], got {text!r}")
+        v = _number(text, name, "a number in [0, 1]")
         if not 0.0 <= v <= 1.0:
             raise argparse.ArgumentTypeError(f"{name} must be in [0, 1], got {v}")
         return v
@@ -26,20 +35,66 @@ def _fraction(name):
     return parse
 
 
-def _positive_int(name):
+def fractions_arg(name: str):
+    """argparse ``type=`` for a comma-separated, non-empty list of numbers in [0, 1]."""
+    one = fraction_arg(name)
+
     def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {v}")
+        values = [one(v.strip()) for v in str(text).split(",") if v.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"{name} must list at least one number in [0, 1], got {text!r}")
+        return values
+
+    return parse
+
+
+def positive_float_arg(name: str):
+    """argparse ``type=`` for a finite number > 0 (learning rates, temperatures, exponents)."""
+    def parse(text):
+        v = _number(text, name, "a finite number > 0")
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {v}")
         return v
 
     return parse
 
 
+def nonnegative_float_arg(name: str):
+    """argparse ``type=`` for a finite number >= 0 (regularisation strengths)."""
+    def parse(text):
+        v = _number(text, name, "a finite number >= 0")
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {v}")
+        return v
+
+    return parse
+
+
+def int_arg(name: str, minimum: int):
+    """argparse ``type=`` for an integer >= ``minimum``."""
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {text!r}")
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {v}")
+        return v
+
+    return parse
+
+
+def positive_int_arg(name: str):
+    """argparse ``type=`` for an integer >= 1."""
+    return int_arg(name, 1)
+
+
+_fraction = fraction_arg  # former private names
+_positive_int = positive_int_arg
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``prunopt`` parser: sub-commands ``train``, ``repro``, ``compare``, ``bench``."""
     from prunopt.repro import REPROS
     from prunopt.train.methods import METHODS
 
@@ -49,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the example CNN on the embedded digits dataset with a pruning method")
     t.add_argument("--method", required=True, choices=sorted(METHODS), help="pruning method")
     g = t.add_mutually_exclusive_group()
-    g.add_argument("--density", type=_fraction("--density"), help="fraction of prunable weights kept (default 0.1)")
-    g.add_argument("--sparsity", type=_fraction("--sparsity"), help="fraction of prunable weights removed (1 - density)")
+    g.add_argument("--density", type=fraction_arg("--density"), help="fraction of prunable weights kept (default 0.1)")
+    g.add_argument("--sparsity", type=fraction_arg("--sparsity"), help="fraction of prunable weights removed (1 - density)")
     t.add_argument("--epochs", type=_positive_int("--epochs"), default=None, help="training epochs (method default)")
     t.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64)
-    t.add_argument("--lr", type=float, default=None, help="learning rate (method default)")
+    t.add_argument("--lr", type=positive_float_arg("--lr"), default=None, help="learning rate > 0 (method default)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None, help="folder for checkpoint.pt, summary.json and history.png")
     t.add_argument("--limit", type=_positive_int("--limit"), default=None, help="use only this many images (quick runs)")
@@ -75,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     # --- compare (issue 5): SP vs IP for one pruning-toolkit method ---
     c = sub.add_parser("compare", help="SP vs IP for one pruning method over a few sparsities (markdown table + PNG)")
     c.add_argument("--method", required=True, choices=["pai-random", "snip", "grasp", "synflow", "lt", "set", "rigl", "gmp", "ft"])
-    c.add_argument("--sparsities", default="0.5,0.8,0.9,0.95", help="comma-separated sparsities (default 0.5,0.8,0.9,0.95)")
+    c.add_argument("--sparsities", type=fractions_arg("--sparsities"), default="0.5,0.8,0.9,0.95",
+                   help="comma-separated sparsities in [0, 1] (default 0.5,0.8,0.9,0.95)")
     c.add_argument("--out", default="runs/compare", help="folder for compare_<method>.md and .png")
     c.add_argument("--epochs", type=_positive_int("--epochs"), default=None)
     c.add_argument("--limit", type=_positive_int("--limit"), default=None)
@@ -88,7 +144,37 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--only", action="append", default=None, help="run only this benchmark (repeatable)")
     b.add_argument("--threads", type=_positive_int("--threads"), default=2)
     b.add_argument("--out", default=None, help="results folder (default bench/results)")
+    p.subparsers = {"train": t, "repro": r, "compare": c, "bench": b}  # for check_arguments' usage errors
     return p
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks that need several options or the chosen method (e.g. ``--sparsity 1``
+    with ``--method lt``), right after parsing and before any work: a bad value
+    is a usage error (``parser.error``: message on stderr, exit status 2).
+    Fills ``args.density`` for ``train`` (default 0.1, or ``1 - --sparsity``)."""
+    from prunopt.train.methods import METHODS
+
+    sub = getattr(parser, "subparsers", {}).get(args.command, parser)
+    if args.command == "train":
+        if args.density is None:
+            args.density = 1.0 - args.sparsity if args.sparsity is not None else 0.1
+        check = METHODS[args.method].check_arguments
+        if check is not None:
+            try:
+                check(args)
+            except ValueError as e:
+                sub.error(str(e))
+    elif args.command == "compare":
+        check = METHODS[args.method].check_arguments
+        if check is None:
+            return
+        base = vars(parser.parse_args(["train", "--method", args.method]))  # the train defaults compare uses
+        for p in args.sparsities:
+            try:
+                check(argparse.Namespace(**{**base, "sparsity": p, "density": 1.0 - p}))
+            except ValueError as e:
+                sub.error(f"--sparsities {p}: {e}")
 
 
 def _bench_dir() -> str:
@@ -100,12 +186,14 @@ def _bench_dir() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs the ``prunopt`` command (``argv`` defaults to ``sys.argv[1:]``);
+    returns the exit status. Bad option values exit with status 2 (usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
     if args.command == "train":
         from prunopt.train.methods import METHODS
 
-        if args.density is None:
-            args.density = 1.0 - args.sparsity if args.sparsity is not None else 0.1
         summary = METHODS[args.method].run(args)
         print(summary.line(), flush=True)
         return 0
@@ -119,7 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "compare":
         from prunopt.train.methods.toolkit import compare
 
-        ps = [_fraction("--sparsities")(v.strip()) for v in args.sparsities.split(",") if v.strip()]
+        ps = args.sparsities
         extra = ["--seed", str(args.seed), "--sharing", args.sharing]
         extra += ["--epochs", str(args.epochs)] if args.epochs else []
         extra += ["--limit", str(args.limit)] if args.limit else []

@@ -5,6 +5,11 @@ bottom of this file. ``run(args)`` receives the parsed ``argparse.Namespace``
 (common options: ``epochs``, ``batch_size``, ``lr``, ``seed``, ``out``,
 ``density``/``sparsity``, ``progress``, ``limit``, plus whatever the method's
 ``add_arguments`` added) and returns a :class:`prunopt.train.Summary`.
+``check_arguments(args)``, if given, runs right after parsing (before any
+work) and raises ``ValueError`` for values that are bad for this method; the
+CLI turns that into a usage error (exit status 2). Single values are checked
+by the options' argparse ``type=`` functions (``prunopt.cli.positive_float_arg``
+and friends).
 """
 from __future__ import annotations
 
@@ -14,19 +19,25 @@ from typing import Callable, Dict, Optional
 
 @dataclass
 class MethodEntry:
+    """One ``prunopt train --method`` entry: its ``run(args)``, help text, and
+    optional ``add_arguments(parser)`` and ``check_arguments(args)``."""
+
     name: str
     run: Callable
     help: str
     add_arguments: Optional[Callable] = None
+    check_arguments: Optional[Callable] = None
 
 
 METHODS: Dict[str, MethodEntry] = {}
 
 
-def register_method(name: str, run: Callable, help: str, add_arguments: Optional[Callable] = None) -> None:
+def register_method(name: str, run: Callable, help: str, add_arguments: Optional[Callable] = None,
+                    check_arguments: Optional[Callable] = None) -> None:
+    """Adds ``name`` to :data:`METHODS` (``ValueError`` if it is already there)."""
     if name in METHODS:
         raise ValueError(f"method {name!r} is already registered")
-    METHODS[name] = MethodEntry(name, run, help, add_arguments)
+    METHODS[name] = MethodEntry(name, run, help, add_arguments, check_arguments)
 
 
 # Method modules register themselves on import.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from prunopt.cli import nonnegative_float_arg, positive_float_arg
 from prunopt.nn.architecture import (
     layer_densities,
     mask_density,
@@ -27,13 +28,17 @@ from prunopt.train.models import SmallCNN
 
 
 def add_arguments(p) -> None:
+    """The ap options (validated by their argparse types)."""
     g = p.add_argument_group("ap (two-temperature architecture pruning)")
-    g.add_argument("--ap-gamma", type=float, default=None, help="mask penalty gamma (default 3e-4)")
-    g.add_argument("--ap-tl", type=float, default=1000.0, help="forward temperature t_l")
-    g.add_argument("--ap-ts", type=float, default=None, help="backward temperature t_s (default t_l/100)")
+    g.add_argument("--ap-gamma", type=nonnegative_float_arg("--ap-gamma"), default=None,
+                   help="mask penalty gamma >= 0 (default 3e-4)")
+    g.add_argument("--ap-tl", type=positive_float_arg("--ap-tl"), default=1000.0, help="forward temperature t_l > 0")
+    g.add_argument("--ap-ts", type=positive_float_arg("--ap-ts"), default=None,
+                   help="backward temperature t_s > 0 (default t_l/100)")
 
 
 def run(args) -> Summary:
+    """Dense training, two-temperature mask search to the target sparsity, fine-tuning."""
     torch.manual_seed(args.seed)
     data = load_digits(seed=args.seed, limit=args.limit)
     model = SmallCNN(num_classes=data.num_classes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prunopt.cli import nonnegative_float_arg, positive_int_arg
 from prunopt.nn.sparsification import (
     convert_to_sparse_batchnorm,
     cubic_strength,
@@ -36,6 +37,7 @@ from prunopt.train.models import SmallCNN
 
 
 def prunable_weights(model: nn.Module) -> int:
+    """Number of Conv2d/Linear weights of ``model`` (the density's denominator)."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
 
 
@@ -64,13 +66,30 @@ def ds_optimizer(model: nn.Module, lr: float, epochs: int, beta_lr: float = 0.01
 
 
 def add_arguments(p) -> None:
+    """The ds options (validated by their argparse types and :func:`check_arguments`)."""
     g = p.add_argument_group("ds (differentiable sparsification)")
-    g.add_argument("--ds-lambda", type=float, default=None, help="final regularisation strength lam_f (default 0.05 for l1, 0.2 for l21)")
+    g.add_argument("--ds-lambda", type=nonnegative_float_arg("--ds-lambda"), default=None,
+                   help="final regularisation strength lam_f >= 0 (default 0.05 for l1, 0.2 for l21)")
     g.add_argument("--ds-norm", choices=["l1", "l21"], default="l1", help="gate regulariser: l1 (eq. 2) or group l2,1 (eq. 4)")
-    g.add_argument("--ds-group", type=int, default=4, help="gates per group for --ds-norm l21")
+    g.add_argument("--ds-group", type=positive_int_arg("--ds-group"), default=4,
+                   help="gates per group for --ds-norm l21 (must divide every BN layer's channel count)")
+
+
+def check_arguments(args) -> None:
+    """``--ds-group`` must divide the channel count of every BatchNorm of the
+    example CNN when ``--ds-norm l21`` groups its gates."""
+    if getattr(args, "ds_norm", "l1") != "l21":
+        return
+    group = getattr(args, "ds_group", 4)
+    channels = sorted({m.num_features for m in SmallCNN().modules() if isinstance(m, nn.BatchNorm2d)})
+    if any(c % group for c in channels):
+        raise ValueError(f"--ds-group {group} must divide every BatchNorm's channel count {channels}")
 
 
 def run(args) -> Summary:
+    """Dense training, sparse-BN gate training with the cubic strength ramp,
+    channel removal."""
+    check_arguments(args)
     torch.manual_seed(args.seed)
     data = load_digits(seed=args.seed, limit=args.limit)
     model = SmallCNN(num_classes=data.num_classes)
@@ -119,4 +138,5 @@ def run(args) -> Summary:
     return summary
 
 
-register_method("ds", run, "differentiable sparsification: sparse-BN gates with l1/l2,1, channels removed", add_arguments)
+register_method("ds", run, "differentiable sparsification: sparse-BN gates with l1/l2,1, channels removed", add_arguments,
+                check_arguments)

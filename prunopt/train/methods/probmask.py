@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
+from prunopt.cli import int_arg, positive_float_arg
 from prunopt.nn.probmask import apply_probmask, finalize_probmask, probmask_density, probmask_scores, set_temperature
 from prunopt.optim.budget import BudgetProjection
 from prunopt.schedules import DensitySchedule, TemperatureSchedule
@@ -25,17 +27,33 @@ from prunopt.train.models import SmallCNN
 
 
 def add_arguments(parser) -> None:
+    """The probmask options (validated by their argparse types)."""
     g = parser.add_argument_group("probmask")
-    g.add_argument("--score-lr", type=float, default=0.05, help="probmask: learning rate of the mask scores")
-    g.add_argument("--power", type=float, default=3.0, help="probmask: exponent of the density schedule (1 = linear)")
-    g.add_argument("--finetune-epochs", type=int, default=None, help="probmask: epochs of weight fine-tuning under the final mask")
+    g.add_argument("--score-lr", type=positive_float_arg("--score-lr"), default=0.05,
+                   help="probmask: learning rate of the mask scores (> 0)")
+    g.add_argument("--power", type=positive_float_arg("--power"), default=3.0,
+                   help="probmask: exponent of the density schedule (> 0; 1 = linear)")
+    g.add_argument("--finetune-epochs", type=int_arg("--finetune-epochs", 0), default=None,
+                   help="probmask: epochs (>= 0) of weight fine-tuning under the final mask")
+
+
+def check_arguments(args) -> None:
+    """The budget must keep some weights: ``--density`` > 0 (``--sparsity`` < 1);
+    ``--lr`` (when given) must be > 0 (as the CLI's type checks; this also
+    guards direct calls of :func:`run`)."""
+    if not args.density > 0:
+        raise ValueError("probmask needs --density > 0 (--sparsity < 1): the density schedule anneals to it")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
 
 
 def run(args) -> Summary:
+    """Dense training, ProbMask training under the annealed budget, fine-tuning."""
+    check_arguments(args)
     torch.manual_seed(args.seed)
     data = load_digits(seed=args.seed, limit=args.limit)
     epochs = args.epochs or 12
-    lr = args.lr or 3e-3
+    lr = args.lr if args.lr is not None else 3e-3
     gen = torch.Generator().manual_seed(args.seed)
     history = {"dense test acc": [], "masked test acc": [], "budget density": []}
 
@@ -78,4 +96,5 @@ def run(args) -> Summary:
     return summary
 
 
-register_method("probmask", run, "ProbMask: probabilistic weight masks under an annealed budget (SPEC.md §1)", add_arguments)
+register_method("probmask", run, "ProbMask: probabilistic weight masks under an annealed budget (SPEC.md §1)", add_arguments,
+                check_arguments)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from prunopt.cli import positive_float_arg
 from prunopt.optim import PrunAdag
 from prunopt.pruning.magnitude import magnitude_prune_, sparsity
 from prunopt.train.data import load_digits
@@ -19,14 +20,16 @@ def _version(text):
 
 
 def add_arguments(parser) -> None:
+    """The prunadag options (validated by their argparse types)."""
     g = parser.add_argument_group("prunadag")
-    g.add_argument("--prunadag-relevant", type=float, default=None,
+    g.add_argument("--prunadag-relevant", type=positive_float_arg("--prunadag-relevant"), default=None,
                    help="prunadag: fraction T/n of relevant weights per step (default: the target density)")
     g.add_argument("--prunadag-version", type=_version, default=3, choices=[1, 2, 3, 4, "relevant_only"],
                    help="prunadag: Table 1 version (default 3)")
 
 
 def run(args) -> Summary:
+    """PrunAdag training, then a posteriori magnitude pruning to the target density."""
     torch.manual_seed(args.seed)
     data = load_digits(seed=args.seed, limit=args.limit)
     model = SmallCNN(num_classes=data.num_classes)

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from prunopt.cli import int_arg, positive_int_arg
 from prunopt.pruning import (
     DynamicSparseTraining,
     FineTuning,
@@ -63,9 +64,12 @@ def add_arguments(parser) -> None:
     g.add_argument("--sharing", choices=["fine", "coarse"], default="fine", help="filter-basis sharing for --space interspace")
     g.add_argument("--basis-init", choices=["standard", "orthonormal", "random"], default="standard",
                    help="filter-basis initialisation for --space interspace (App. G, Alg. A1-A3)")
-    g.add_argument("--score-batches", type=int, default=10, help="batches for SNIP/GraSP scores (paper: 100)")
-    g.add_argument("--rewind-step", type=int, default=None, help="LT rewinding step t0 (default: half an epoch)")
-    g.add_argument("--update-interval", type=int, default=None, help="SET/RigL mask-update interval in steps (default: one epoch)")
+    g.add_argument("--score-batches", type=positive_int_arg("--score-batches"), default=10,
+                   help="batches for SNIP/GraSP scores (paper: 100)")
+    g.add_argument("--rewind-step", type=int_arg("--rewind-step", 0), default=None,
+                   help="LT rewinding step t0 (default: half an epoch)")
+    g.add_argument("--update-interval", type=positive_int_arg("--update-interval"), default=None,
+                   help="SET/RigL mask-update interval in steps (default: one epoch)")
 
 
 def _model(args, num_classes: int):
@@ -103,6 +107,14 @@ def _train(model, opt, sched, data, args, epochs, gen, desc, after_step=None, hi
     return evaluate(model, data.x_test, data.y_test)
 
 
+def check_arguments(method: str, args) -> None:
+    """``ValueError`` for option values bad for ``method`` (run by the CLI right
+    after parsing, and by :func:`run_toolkit`)."""
+    if method == "lt" and not 1.0 - args.density < 1.0:
+        raise ValueError("--sparsity must be < 1 for lottery tickets (--density > 0)")
+    _check_args(args)
+
+
 def _check_args(args) -> None:
     if args.score_batches < 1:
         raise ValueError(f"--score-batches must be >= 1, got {args.score_batches}")
@@ -114,7 +126,7 @@ def _check_args(args) -> None:
 
 def run_toolkit(method: str, args) -> Summary:
     """One training job of the pruning toolkit; returns the :class:`Summary`."""
-    _check_args(args)
+    check_arguments(method, args)
     torch.manual_seed(args.seed)
     data = load_digits(seed=args.seed, limit=args.limit)
     epochs = args.epochs or DEFAULT_EPOCHS
@@ -219,8 +231,16 @@ def _runner(method: str):
     return run
 
 
+def _checker(method: str):
+    def check(args) -> None:
+        check_arguments(method, args)
+
+    check.__doc__ = f"Option checks of ``prunopt train --method {method}`` (:func:`check_arguments`)."
+    return check
+
+
 for _name, _help in TOOLKIT_METHODS.items():
-    register_method(_name, _runner(_name), _help, add_arguments)
+    register_method(_name, _runner(_name), _help, add_arguments, _checker(_name))
 
 
 # ---------------------------------------------------------------- compare
