@@ -18,7 +18,12 @@ Three custom ops (schemas in ``csrc/ops.cpp``):
   ``FBConv2d`` caches in inference), so the CSR is not rebuilt per call.
 
 All of them have autograd (eq. 7, A.12-A.14), fake kernels and a pure-PyTorch
-fallback (``prunopt.reference.interspace``) when the extension is missing.
+fallback (``prunopt.reference.interspace``) when the extension is missing. Under
+a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) or a forward-mode
+AD level (``torch.autograd.forward_ad.dual_level``) the wrappers below compute
+with that pure-PyTorch reference, which every transform supports (the autograd of
+``prunopt::fb_reconstruct`` is a C++ ``torch::autograd::Function``, which
+functorch rejects, and the sparse ops have no forward-mode formulas).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import forward_ad as _fwad
 
 from prunopt._extension import extension_available
 from prunopt.reference.interspace import (
@@ -151,6 +157,35 @@ def has_csr_kernel(input: Tensor) -> bool:
     return input.device.type in _CSR_DEVICES
 
 
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+if _functorch_active is None:  # pragma: no cover - older torch
+    def _functorch_active() -> bool:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) or a
+    forward-mode AD level is active: the FB ops then compute with the pure-PyTorch
+    reference (the C++ autograd of ``fb_reconstruct`` does not support functorch,
+    the sparse ops have no forward-mode formulas). ~50 ns."""
+    return _functorch_active() or _fwad._current_level >= 0
+
+
+_NO_AUTOCAST = set()  # device types torch.is_autocast_enabled rejects (e.g. "meta")
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types that
+    have no autocast (``"meta"``), where torch raises."""
+    if device_type in _NO_AUTOCAST:
+        return False
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # "unknown device type for autocast"
+        _NO_AUTOCAST.add(device_type)
+        return False
+
+
 def _mask_like(mask: Optional[Tensor], coefficients: Tensor) -> Optional[Tensor]:
     if mask is None or mask.dtype == coefficients.dtype:
         return mask
@@ -173,7 +208,7 @@ def fb_reconstruct(coefficients: Tensor, basis: Tensor, mask: Optional[Tensor] =
     """
     validate_fb_args(None, coefficients, basis, mask)
     mask = _mask_like(mask, coefficients)
-    if coefficients.device.type in _RECON_DEVICES:
+    if coefficients.device.type in _RECON_DEVICES and not _transforms_active():
         return torch.ops.prunopt.fb_reconstruct(coefficients, basis, mask)
     return fb_reconstruct_reference(coefficients, basis, mask)
 
@@ -258,13 +293,24 @@ def fb_conv2d(
     then takes the dense path, whose ``conv2d`` runs in the autocast dtype as
     ``F.conv2d`` does (the filters are reconstructed in the coefficients'
     dtype); ``"sparse"`` casts the input to the coefficients' dtype.
+
+    Under a ``torch.func`` transform or a forward-mode AD level every path is
+    computed by the pure-PyTorch reference (``"sparse"``: eq. 8 as einsums).
     """
-    autocast = isinstance(input, Tensor) and torch.is_autocast_enabled(input.device.type)
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
+    autocast = _autocast_enabled(input.device.type)
     stride, padding, dilation, groups = validate_fb_args(input, coefficients, basis, mask, bias, stride, padding, dilation,
                                                          groups, check_input_dtype=not autocast)
     if path not in ("auto", "dense", "sparse"):
         raise ValueError(f"path must be 'auto', 'dense' or 'sparse', got {path!r}")
     mask = _mask_like(mask, coefficients)
+    if _transforms_active():
+        if path == "sparse":
+            x = input.to(coefficients.dtype) if autocast else input
+            return fb_conv2d_sparse_reference(x, coefficients, basis, mask, bias, stride, padding, dilation, groups)
+        h = fb_reconstruct_reference(coefficients, basis, mask)
+        return F.conv2d(input, h, bias, stride, padding, dilation, groups)
     if path == "dense" or (path == "auto" and (autocast or _needs_grad(input, coefficients, basis, bias))):
         return F.conv2d(input, fb_reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
     if autocast:  # "sparse" asked for under autocast: computed in the coefficients' dtype
@@ -297,8 +343,15 @@ class FBCompressed(NamedTuple):
 
 def fb_compress(coefficients: Tensor, mask: Optional[Tensor] = None) -> FBCompressed:
     """CSR of the masked coefficients ``lam * mu`` (zeros dropped), for
-    :func:`fb_conv2d_compressed`. Not differentiable (an inference cache)."""
+    :func:`fb_conv2d_compressed`. Not differentiable (an inference cache).
+    Needs the values: not available for tensors on the ``meta`` device."""
+    if not isinstance(coefficients, Tensor):
+        raise TypeError(f"coefficients must be a Tensor, got {type(coefficients).__name__}")
+    if coefficients.dim() != 3:
+        raise ValueError(f"coefficients must have shape (C_out, C_in/groups, N), got {tuple(coefficients.shape)}")
     validate_fb_args(None, coefficients, coefficients.new_empty(coefficients.shape[2], 1, 1), mask)
+    if coefficients.device.type == "meta":
+        raise ValueError("coefficients are on the meta device, which holds no values to compress")
     with torch.no_grad():
         lam = coefficients if mask is None else coefficients * _mask_like(mask, coefficients)
         rows = lam.reshape(lam.shape[0], -1)
@@ -324,6 +377,8 @@ def fb_conv2d_compressed(
 ) -> Tensor:
     """Eq. 8 with coefficients already compressed by :func:`fb_compress` (the
     inference cache of ``FBConv2d``). Same result as :func:`fb_conv2d`."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
     if not isinstance(compressed, FBCompressed):
         raise TypeError(f"compressed must be an FBCompressed (from fb_compress), got {type(compressed).__name__}")
     c_out, c_in_g, n = compressed.shape
@@ -338,14 +393,13 @@ def fb_conv2d_compressed(
     meta = torch.empty(compressed.shape, dtype=basis.dtype, device="meta")
     validate_fb_args(None, meta, basis.to("meta"), None, None if bias is None else bias.to("meta"))
     stride, padding, dilation, groups = validate_fb_args(
-        None if input is None else input.to("meta") if isinstance(input, Tensor) else input,
-        meta, basis.to("meta"), None, None, stride, padding, dilation, groups,
+        input.to("meta"), meta, basis.to("meta"), None, None, stride, padding, dilation, groups,
     )
     if isinstance(bias, Tensor) and (bias.device != basis.device):
         raise ValueError(f"bias must be on the device of basis ({basis.device}), got {bias.device}")
     if input.device != basis.device:
         raise ValueError(f"input must be on the device of basis ({basis.device}), got {input.device}")
-    if input.device.type in _CSR_DEVICES:
+    if input.device.type in _CSR_DEVICES and not _transforms_active():
         batched = input.dim() == 4
         x = input if batched else input.unsqueeze(0)
         y = torch.ops.prunopt.fb_conv2d_csr(
@@ -384,7 +438,7 @@ def _reconstruct_grads(grad_h: Tensor, coefficients: Tensor, basis: Tensor, mask
     """
     if not (need_lam or need_basis):
         return None, None
-    if grad_h.device.type in _RECON_BWD_DEVICES:
+    if grad_h.device.type in _RECON_BWD_DEVICES and not _transforms_active():
         g_lam, g_basis = torch.ops.prunopt.fb_reconstruct_backward(grad_h, coefficients, basis, mask,
                                                                    [need_lam, need_basis])
         return (g_lam if need_lam else None), (g_basis if need_basis else None)

@@ -20,10 +20,12 @@ from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence,
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.utils import _pair, _reverse_repeat_tuple
+from torch.nn.modules.utils import _reverse_repeat_tuple
 
 from prunopt import ops, ops_interspace
-from prunopt.reference.interspace import validate_fb_input
+from prunopt.ops_interspace import _functorch_active, _fwad
+from prunopt.reference.interspace import _pair as _checked_pair
+from prunopt.reference.interspace import fb_reconstruct_reference, validate_fb_args, validate_fb_input
 
 __all__ = [
     "FilterBasis",
@@ -37,6 +39,26 @@ __all__ = [
 ]
 
 _INITS = ("standard", "orthonormal", "random")
+
+
+def _kernel_pair(kernel_size) -> Tuple[int, int]:
+    """``kernel_size`` as ``(kh, kw)``: TypeError unless an int or a pair of ints,
+    ValueError unless both are positive."""
+    kh, kw = _checked_pair(kernel_size, "kernel_size")
+    if kh < 1 or kw < 1:
+        raise ValueError(f"kernel_size must be positive, got {(kh, kw)}")
+    return kh, kw
+
+
+def _same_device(requested, actual: torch.device) -> bool:
+    """Whether the ``device`` argument ``requested`` names ``actual`` (``"cuda"``
+    means the current CUDA device)."""
+    d = torch.device(requested)
+    if d.type != actual.type:
+        return False
+    if d.index is None and d.type not in ("cpu", "meta"):
+        d = torch.empty(0, device=d).device
+    return d.index == actual.index or (d.index is None and actual.index is None)
 
 
 class FilterBasis(nn.Module):
@@ -56,7 +78,7 @@ class FilterBasis(nn.Module):
       coefficients give kaiming-normal spatial weights in distribution.
 
     Args:
-        kernel_size: ``K`` or ``(kh, kw)``.
+        kernel_size: ``K`` or ``(kh, kw)`` (positive ints).
         size: ``N`` (default ``kh*kw``).
         init: one of ``"standard"``, ``"orthonormal"``, ``"random"``.
         generator: optional ``torch.Generator`` for the random inits.
@@ -65,9 +87,7 @@ class FilterBasis(nn.Module):
     def __init__(self, kernel_size, size: Optional[int] = None, init: str = "standard", *,
                  generator: Optional[torch.Generator] = None, device=None, dtype=None):
         super().__init__()
-        kh, kw = _pair(kernel_size)
-        if kh < 1 or kw < 1:
-            raise ValueError(f"kernel_size must be positive, got {(kh, kw)}")
+        kh, kw = _kernel_pair(kernel_size)
         n = kh * kw if size is None else size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
@@ -87,6 +107,8 @@ class FilterBasis(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """Redraws ``weight`` by the basis's ``init`` (Alg. A1-A3), in float64 and
+        rounded once to the weight's dtype."""
         n, (kh, kw) = self.size, self.kernel_size
         m = kh * kw
         if self.init == "standard":  # Alg. A1, l. 3
@@ -108,6 +130,7 @@ class FilterBasis(nn.Module):
         return self.weight.reshape(self.size, -1).T
 
     def forward(self) -> Tensor:  # pragma: no cover - a container, not a layer
+        """The basis ``weight`` (``FilterBasis`` is a container, not a layer)."""
         return self.weight
 
     def extra_repr(self) -> str:
@@ -137,9 +160,23 @@ class FBConv2d(nn.Module):
     In training (or whenever a gradient is needed) the forward pass reconstructs
     the masked filters with a fused kernel and calls ``conv2d``. In ``eval()``
     without gradients it caches the CSR of ``lam * mu`` (rebuilt when
-    ``coefficients``, ``mask`` or the basis change) and runs eq. 8 on it when the
-    cost model :func:`prunopt.ops_interspace.sparse_is_faster` predicts that it
-    beats ``conv2d``, else ``conv2d`` with the cached reconstructed filters.
+    ``coefficients``, ``mask`` or the basis are updated in place or replaced) and
+    runs eq. 8 on it when the cost model
+    :func:`prunopt.ops_interspace.sparse_is_faster` predicts that it beats
+    ``conv2d``, else ``conv2d`` with the cached reconstructed filters. Writes
+    through ``.data`` bypass the version counters the cache is keyed by: call
+    ``train()`` or ``eval()`` (on the layer or any module holding it; both drop
+    the cache) after such writes.
+
+    A ``basis`` passed in is shared, not copied: it must already have the
+    layer's ``dtype`` and ``device`` (``None`` takes the basis's), else
+    ``ValueError``.
+
+    ``torch.func`` transforms (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) and
+    forward-mode AD (``torch.autograd.forward_ad``) work: under them the layer
+    reconstructs the filters with the pure-PyTorch reference (einsum) instead of
+    the fused kernel, whose autograd is a C++ ``torch::autograd::Function``
+    (which functorch rejects), and never takes the sparse eval path.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
@@ -153,35 +190,87 @@ class FBConv2d(nn.Module):
             raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
         if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
             raise ValueError(f"padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got {padding_mode!r}")
-        kernel_size = _pair(kernel_size)
+        kernel_size = _kernel_pair(kernel_size)
+        stride, dilation = _checked_pair(stride, "stride"), _checked_pair(dilation, "dilation")
+        if min(stride) < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        if min(dilation) < 1:
+            raise ValueError(f"dilation must be >= 1, got {dilation}")
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise ValueError(f"padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
+            if padding == "same" and stride != (1, 1):
+                raise ValueError("padding='same' is not supported for strided convolutions")
+        else:
+            padding = _checked_pair(padding, "padding")
+            if min(padding) < 0:
+                raise ValueError(f"padding must be >= 0, got {padding}")
+        if init is not None and init not in _INITS:
+            raise ValueError(f"init must be one of {_INITS}, got {init!r}")
         if basis is None:
             basis = FilterBasis(kernel_size, init=init or "standard", device=device, dtype=dtype)
         elif not isinstance(basis, FilterBasis):
             raise TypeError(f"basis must be a FilterBasis or None, got {type(basis).__name__}")
         elif tuple(basis.kernel_size) != kernel_size:
             raise ValueError(f"basis has kernel_size {basis.kernel_size} but the layer has {kernel_size}")
+        else:  # a basis passed in is shared: converting it would break the sharing
+            bw = basis.weight
+            if dtype is not None and dtype != bw.dtype:
+                raise ValueError(f"basis has dtype {bw.dtype} but the layer was asked for dtype={dtype}; a basis is "
+                                 f"shared, not converted: build it with dtype={dtype} (or pass dtype=None)")
+            if device is not None and not _same_device(device, bw.device):
+                raise ValueError(f"basis is on device {bw.device} but the layer was asked for device={device}; a "
+                                 f"basis is shared, not moved: build it on that device (or pass device=None)")
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size = kernel_size
-        self.stride, self.dilation = _pair(stride), _pair(dilation)
-        if isinstance(padding, str):
-            if padding not in ("same", "valid"):
-                raise ValueError(f"padding must be an int, a pair, 'same' or 'valid', got {padding!r}")
-            if padding == "same" and self.stride != (1, 1):
-                raise ValueError("padding='same' is not supported for strided convolutions")
-            self.padding = padding
-        else:
-            self.padding = _pair(padding)
+        self.stride, self.dilation, self.padding = stride, dilation, padding
         self.groups, self.padding_mode = groups, padding_mode
         self.basis = basis
-        factory = dict(device=basis.weight.device if device is None else device,
-                       dtype=basis.weight.dtype if dtype is None else dtype)
+        factory = dict(device=basis.weight.device, dtype=basis.weight.dtype)
         self.coefficients = nn.Parameter(torch.empty(out_channels, in_channels // groups, basis.size, **factory))
         self.register_buffer("mask", torch.ones(out_channels, in_channels // groups, basis.size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
         self._compressed = None
         self._compressed_key = None
+        self._compressed_refs = None  # (lam, mu, g) of the cache and aliases of their storages
         self._eval_fast = None  # see _fast_eval
         self.reset_parameters()
+
+    # -- the eval caches ----------------------------------------------------------------
+    def _drop_inference_caches(self) -> None:
+        """Forgets the eval caches (CSR, filters, path plans, the fast-path state)."""
+        self._compressed = None
+        self._compressed_key = None
+        self._compressed_refs = None
+        self._eval_fast = None
+
+    def train(self, mode: bool = True) -> "FBConv2d":
+        """As ``nn.Module.train`` (``eval()`` calls it with ``False``); also drops
+        the eval caches, so that ``train()``/``eval()`` after writes through
+        ``.data`` (which bypass the version counters the caches are keyed by)
+        make the next eval call rebuild them."""
+        out = super().train(mode)
+        self._drop_inference_caches()
+        return out
+
+    def _apply(self, fn, *args, **kwargs):
+        """As ``nn.Module._apply`` (``to``, ``double``, ``cuda``, ...), dropping the
+        eval caches first: they hold tensors of the old dtype or device."""
+        self._drop_inference_caches()
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        """Pickling and ``copy.deepcopy`` leave the eval caches behind (they hold
+        raw data pointers of this process's tensors)."""
+        state = super().__getstate__()
+        state["_compressed"] = state["_compressed_key"] = state["_compressed_refs"] = state["_eval_fast"] = None
+        return state
+
+    def __setstate__(self, state):
+        """As ``nn.Module.__setstate__``, with empty eval caches (also for layers
+        pickled by older versions, whose caches had another layout)."""
+        super().__setstate__(state)
+        self._drop_inference_caches()
 
     # -- initialisation -----------------------------------------------------------------
     def _fan_in(self) -> int:
@@ -247,15 +336,21 @@ class FBConv2d(nn.Module):
 
     def _inference_cache(self) -> dict:
         """The eval-mode cache: the CSR of ``lam * mu`` and, when the dense path is
-        taken, the reconstructed filters. Keyed by the versions and storages of
-        coefficients, mask and basis, so in-place updates (optimizer steps,
-        pruning) invalidate it; it is never used when a gradient is needed."""
+        taken, the reconstructed filters. Keyed by coefficients, mask and basis
+        weight by identity (the key holds them, so a replaced tensor is never
+        mistaken for a new one that reuses its address), their versions (in-place
+        updates: optimizer steps, pruning) and data pointers (``.data =``; the
+        key holds aliases of the storages, so a pointer cannot be reused while
+        it is compared). Never used when a gradient is needed; ``train()`` and
+        ``eval()`` drop it (for writes through ``.data``)."""
         lam, mu, g = self._fb_tensors()
         key = (lam._version, mu._version, g._version, lam.data_ptr(), mu.data_ptr(), g.data_ptr(), lam.device,
                lam.dtype, g.dtype)
-        if self._compressed_key != key:
+        refs = self._compressed_refs
+        if self._compressed_key != key or refs is None or refs[0] is not lam or refs[1] is not mu or refs[2] is not g:
             self._compressed = {}
             self._compressed_key = key
+            self._compressed_refs = (lam, mu, g, lam.detach(), mu.detach(), g.detach())  # storage aliases: see above
         return self._compressed
 
     def _compressed_coefficients(self) -> "ops_interspace.FBCompressed":
@@ -329,20 +424,21 @@ class FBConv2d(nn.Module):
             input.shape, input.dtype, input.device,
             lam, lam._version, lam.data_ptr(), mu, mu._version, mu.data_ptr(), basis, g, g._version, g.data_ptr(),
             self._parameters.get("bias"), (self.stride, self.padding, self.dilation, self.groups, self.padding_mode),
-            call,
+            call, self._compressed_refs,  # the storage aliases keep the data pointers from being reused
         )
 
     def _fast_eval(self, fast, input) -> Optional[Tensor]:
         """The call of :meth:`_remember_fast_eval`'s state, or None when it does
         not apply to this call."""
-        (shape, dtype, device, lam, lam_v, lam_p, mu, mu_v, mu_p, basis, g, g_v, g_p, bias, conf, call) = fast
+        (shape, dtype, device, lam, lam_v, lam_p, mu, mu_v, mu_p, basis, g, g_v, g_p, bias, conf, call, _keep) = fast
         if (not isinstance(input, Tensor) or input.shape != shape or input.dtype != dtype or input.device != device
                 or self._parameters.get("coefficients") is not lam or lam._version != lam_v or lam.data_ptr() != lam_p
                 or self._buffers.get("mask") is not mu or mu._version != mu_v or mu.data_ptr() != mu_p
                 or self._modules.get("basis") is not basis or basis._parameters.get("weight") is not g
                 or g._version != g_v or g.data_ptr() != g_p or self._parameters.get("bias") is not bias
                 or (self.stride, self.padding, self.dilation, self.groups, self.padding_mode) != conf
-                or torch.is_autocast_enabled(device.type) or torch.compiler.is_compiling()):
+                or torch.is_autocast_enabled(device.type) or torch.compiler.is_compiling()
+                or _functorch_active() or _fwad._current_level >= 0):
             return None
         kind, what, padding = call
         if kind == "csr":
@@ -378,6 +474,9 @@ class FBConv2d(nn.Module):
             return float(((self.coefficients * self.mask) != 0).sum()) / max(1, self.coefficients.numel())
 
     def forward(self, input: Tensor) -> Tensor:
+        """``conv2d`` of ``input`` (``(B, C_in, H, W)`` or ``(C_in, H, W)``) with the
+        masked filters (eq. 6/8), as ``nn.Conv2d``; see the class docstring for
+        the training, eval and ``torch.func`` paths."""
         fast = self.__dict__.get("_eval_fast")
         if fast is not None and not self.training and not torch.is_grad_enabled():
             y = self._fast_eval(fast, input)
@@ -392,15 +491,27 @@ class FBConv2d(nn.Module):
         padding = self._conv_padding()
         lam, mu, g = self._fb_tensors()
         bias = self.bias
-        needs_grad = torch.is_grad_enabled() and (
-            input.requires_grad or lam.requires_grad or g.requires_grad or (bias is not None and bias.requires_grad)
-        )
         # Under autocast the filters are reconstructed in the coefficients' dtype
         # and conv2d runs in the autocast dtype, as nn.Conv2d does (so the input
         # may have that dtype); the sparse path, which computes in the
-        # coefficients' dtype, is not taken.
-        autocast = torch.is_autocast_enabled(input.device.type)
-        if not needs_grad and not self.training and not torch.compiler.is_compiling():
+        # coefficients' dtype, is not taken. "meta" has no autocast (torch raises).
+        device_type = input.device.type
+        autocast = ops_interspace._autocast_enabled(device_type)
+        compiling = torch.compiler.is_compiling()
+        if not compiling and (_functorch_active() or _fwad._current_level >= 0):
+            # torch.func transforms and forward-mode AD: the pure-PyTorch
+            # reconstruction (the fused kernel's autograd is a C++ Function, which
+            # functorch rejects; the sparse ops have no forward-mode formulas)
+            validate_fb_args(None, lam, g, mu)
+            validate_fb_input(input, lam, g, padding, self.dilation, self.groups, check_dtype=not autocast)
+            h = fb_reconstruct_reference(lam, g, mu)
+            return F.conv2d(input, h, bias, self.stride, padding, self.dilation, self.groups)
+        needs_grad = torch.is_grad_enabled() and (
+            input.requires_grad or lam.requires_grad or g.requires_grad or (bias is not None and bias.requires_grad)
+        )
+        # the eval caches need values: a layer on the meta device (shapes only)
+        # takes the reconstruct + conv2d path, which has meta kernels
+        if not needs_grad and not self.training and not compiling and device_type != "meta":
             return self._inference_forward(input, padding, dense_only=autocast)
         # The training path (eq. 6): the fused reconstruction, whose autograd is
         # in C++ (eq. 7, A.13, A.14), then conv2d. The layer's own arguments were
@@ -438,7 +549,9 @@ class FBConv2d(nn.Module):
         ``lam = Psi^{-1} phi`` (eq. A.20), or the Moore-Penrose pseudo-inverse for a
         dictionary (exact when the dictionary spans ``R^{kh x kw}``, a least-squares
         fit otherwise). Computed in float64; the mask is all ones. ``basis=None``
-        uses a new standard basis (then ``lam = phi`` exactly)."""
+        uses a new standard basis (then ``lam = phi`` exactly); a ``basis`` passed
+        in is shared, so it must have ``conv.weight``'s dtype and device
+        (``ValueError`` naming ``basis`` otherwise)."""
         if not isinstance(conv, nn.Conv2d):
             raise TypeError(f"conv must be an nn.Conv2d, got {type(conv).__name__}")
         w = conv.weight
@@ -482,18 +595,35 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
                   size: Optional[int] = None, generator: Optional[torch.Generator] = None) -> nn.Module:
     """Converts every ``nn.Conv2d`` with a kernel larger than 1×1 of ``model`` into an
     :class:`FBConv2d` in place, with the same function (App. E); 1×1 convolutions
-    stay standard (Sec. 4.3, App. H). Returns ``model``.
+    stay standard (Sec. 4.3, App. H).
+
+    Only modules whose type is exactly ``nn.Conv2d`` are converted: a subclass
+    (its own ``forward``, extra state) is left as it is. A convolution registered
+    under several names (``self.b = self.a``) is replaced by one
+    :class:`FBConv2d` under every name, so the tying is kept; its sharing key is
+    computed from its first name in ``model.named_modules()``. Hooks on the old
+    convolutions are not carried over. Every new layer and basis is built (and
+    every argument checked) before the first one is swapped in: on an error
+    ``model`` is unchanged.
+
+    Returns ``model``; when ``model`` itself is an ``nn.Conv2d`` it converts, the
+    new :class:`FBConv2d` (``model`` is left unchanged, as
+    ``nn.SyncBatchNorm.convert_sync_batchnorm`` does), so use the return value:
+    ``model = to_interspace(model)``.
 
     Args:
         sharing: ``"fine"`` one basis per layer; ``"coarse"`` one basis per kernel
             size for the whole model; or a callable ``(name, conv) -> key`` whose
-            equal keys share a basis ("medium" sharing, e.g. per ResNet stage) and
-            ``None`` leaves that convolution standard.
+            equal (hashable) keys share a basis ("medium" sharing, e.g. per ResNet
+            stage) and ``None`` leaves that convolution standard. A basis is only
+            shared by layers of one dtype and device: layers with another dtype or
+            device get their own basis.
         init: basis initialisation (App. G): ``"standard"`` (Alg. A1),
             ``"orthonormal"`` (Alg. A2) or ``"random"`` (Alg. A3). The
             coefficients are the exact change of basis of the current weights.
         size: dictionary size ``N`` for ``init="random"`` (default ``kh*kw``;
             with ``N < kh*kw`` the conversion is a least-squares fit, not exact).
+        generator: optional ``torch.Generator`` for the random inits.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -504,27 +634,40 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
         raise TypeError(f"sharing must be 'fine', 'coarse' or a callable, got {type(sharing).__name__}")
     if init not in _INITS:
         raise ValueError(f"init must be one of {_INITS}, got {init!r}")
-    targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Conv2d) and type(m).__name__ != "FBConv2d" and max(m.kernel_size) > 1]
+    # 1. build every basis and layer (named_modules lists a tied conv once)
     bases: Dict[Hashable, FilterBasis] = {}
-    for name, conv in targets:
+    new: Dict[int, FBConv2d] = {}  # id(old conv) -> its replacement
+    for name, conv in model.named_modules():
+        if type(conv) is not nn.Conv2d or max(conv.kernel_size) <= 1:
+            continue
+        where = (conv.weight.device, conv.weight.dtype)  # a shared basis has the layers' dtype and device
         if sharing == "fine":
             key = ("fine", name)
         elif sharing == "coarse":
-            key = ("coarse", tuple(conv.kernel_size))
+            key = ("coarse", tuple(conv.kernel_size), where)
         else:
-            key = sharing(name, conv)
-            if key is None:
+            user_key = sharing(name, conv)
+            if user_key is None:
                 continue
-            key = ("custom", key, tuple(conv.kernel_size))
+            try:
+                hash(user_key)
+            except TypeError:
+                raise TypeError(f"sharing must return a hashable key or None, got {type(user_key).__name__} "
+                                f"for {name!r}") from None
+            key = ("custom", user_key, tuple(conv.kernel_size), where)
         if key not in bases:
             bases[key] = FilterBasis(conv.kernel_size, size=size, init=init, generator=generator,
                                      device=conv.weight.device, dtype=conv.weight.dtype)
         layer = FBConv2d.from_conv2d(conv, bases[key])
         layer.train(conv.training)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer)
+        new[id(conv)] = layer
+    # 2. swap them in, under every name
+    if id(model) in new:
+        return new[id(model)]
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in new:
+                parent._modules[child_name] = new[id(child)]
     return model
 
 
@@ -548,10 +691,14 @@ def interspace_param_groups(model: nn.Module, weight_decay: float, **options) ->
 
 def _prunable(model: nn.Module):
     """(name, effective prunable tensor, dense count) for every prunable tensor:
-    masked FB coefficients, conv weights and linear weights (Sec. 4.4)."""
+    masked FB coefficients, conv weights and linear weights (Sec. 4.4). The dense
+    count is the weights of the layer in the standard network (SPEC.md §3, the
+    ``D`` of eq. 9): ``C_out C_in/groups kh kw`` for an FB layer, whatever its
+    dictionary size ``N``."""
     for name, m in model.named_modules():
         if isinstance(m, FBConv2d):
-            yield name, (m.coefficients * m.mask).detach(), m.coefficients.numel()
+            dense = m.out_channels * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+            yield name, (m.coefficients * m.mask).detach(), dense
         elif isinstance(m, (nn.Conv2d, nn.Linear)):
             w = m.weight.detach()
             mask = getattr(m, "weight_mask", None)  # torch.nn.utils.prune
@@ -564,7 +711,8 @@ def pruning_rates(model: nn.Module) -> Dict[str, float]:
     ``p_SP = 1 - ||Lambda||_0 / D`` and ``p_IP = 1 - (||Lambda||_0 + sum_j ||F_j||_0) / D``
     with ``Lambda`` the prunable weights (FB coefficients, conv and linear
     weights; not bases, biases or norms) and ``D`` their number in the standard
-    network. Every distinct basis counts once.
+    network (``C_out C_in/groups kh kw`` for an FB layer, also when its
+    dictionary has ``N != kh kw`` elements). Every distinct basis counts once.
     """
     nonzero = total = 0
     for _, w, n in _prunable(model):
@@ -584,6 +732,12 @@ def interspace_flops(model: nn.Module, example_input: Tensor) -> Dict[str, float
     ``2 nnz(lam*mu) d1 d2 + 2 C_in kh kw N d1 d2``; standard conv (eq. A.7):
     ``2 nnz(w) d1 d2``; linear ``2 nnz(W)`` per row of the input. ``dense`` is
     the standard dense network (``2 C_out C_in/groups kh kw d1 d2``).
+
+    Inference FLOPs, without side effects: the call runs under
+    ``torch.no_grad()`` with every submodule's ``training`` flag set to False
+    (BatchNorm running statistics are not updated, dropout draws nothing), and
+    each flag is restored afterwards as it was (set directly, without calling
+    ``train()``), also on an error.
     """
     out = dict(dense=0.0, sparse=0.0, basis_overhead=0.0)
     hooks = []
@@ -605,17 +759,24 @@ def interspace_flops(model: nn.Module, example_input: Tensor) -> Dict[str, float
         out["dense"] += 2.0 * m.weight.numel() * rows
         out["sparse"] += 2.0 * int((m.weight != 0).sum()) * rows
 
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, FBConv2d)):
-            hooks.append(m.register_forward_hook(conv_hook))
-        elif isinstance(m, nn.Linear):
-            hooks.append(m.register_forward_hook(linear_hook))
+    modes = [(m, m.training) for m in model.modules()]
     try:
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, FBConv2d)):
+                hooks.append(m.register_forward_hook(conv_hook))
+            elif isinstance(m, nn.Linear):
+                hooks.append(m.register_forward_hook(linear_hook))
+        for m, _ in modes:
+            m.training = False
         with torch.no_grad():
             model(example_input)
     finally:
         for h in hooks:
             h.remove()
+        for m, training in modes:
+            m.training = training
+            if training and isinstance(m, FBConv2d):
+                m._drop_inference_caches()  # built by this call only
     out["ratio"] = out["sparse"] / out["dense"] if out["dense"] else float("nan")
     return out
 
@@ -642,13 +803,20 @@ def sparse_storage(numel: int, nonzero: int, value_bits: int = 32, index_bits: i
 
 def interspace_report(model: nn.Module, example_input: Optional[Tensor] = None) -> Dict[str, object]:
     """Pruning rates (eq. 9), storage (App. C; bases stored densely on top) and,
-    with ``example_input``, forward FLOPs (App. D) of ``model``."""
+    with ``example_input``, forward FLOPs (App. D, :func:`interspace_flops`:
+    run in eval mode without side effects) of ``model``.
+
+    ``storage_bytes``: ``dense`` the standard network's ``D`` weights in 32 bits
+    (``C_out C_in/groups kh kw`` per FB layer); ``csr`` and ``entropy`` the
+    stored pruned tensors (an FB layer's ``C_out C_in/groups N`` masked
+    coefficients); ``bases`` every distinct basis once, dense."""
     rates = pruning_rates(model)
     storage = dict(dense=0.0, csr=0.0, entropy=0.0)
     for _, w, n in _prunable(model):
-        s = sparse_storage(n, int((w != 0).sum()), rows=w.shape[0])
-        for k in storage:
-            storage[k] += s[k]
+        s = sparse_storage(w.numel(), int((w != 0).sum()), rows=w.shape[0])
+        storage["dense"] += sparse_storage(n, n)["dense"]
+        storage["csr"] += s["csr"]
+        storage["entropy"] += s["entropy"]
     basis_bytes = 4.0 * sum(b.weight.numel() for b in {id(b): b for b in model.modules() if isinstance(b, FilterBasis)}.values())
     storage["bases"] = basis_bytes
     report: Dict[str, object] = dict(rates)

@@ -70,7 +70,7 @@ def validate_fb_args(
     """Checks the arguments of the FB ops and normalises the conv arguments.
 
     Shapes: ``input (B, C_in, H, W)`` (or ``(C_in, H, W)``), ``coefficients
-    (C_out, C_in/groups, N)``, ``basis (N, kh, kw)``, ``mask`` like
+    (C_out, C_in/groups, N)``, ``basis (N, kh, kw)`` with ``kh, kw >= 1``, ``mask`` like
     ``coefficients``, ``bias (C_out,)``. Type problems raise ``TypeError``, bad
     values or shapes ``ValueError``; both name the argument.
 
@@ -85,6 +85,8 @@ def validate_fb_args(
         raise ValueError(f"coefficients must have shape (C_out, C_in/groups, N), got {tuple(coefficients.shape)}")
     if basis.dim() != 3:
         raise ValueError(f"basis must have shape (N, kh, kw), got {tuple(basis.shape)}")
+    if basis.shape[1] < 1 or basis.shape[2] < 1:
+        raise ValueError(f"basis must have a non-empty kernel (kh, kw >= 1), got shape {tuple(basis.shape)}")
     if basis.shape[0] != coefficients.shape[2]:
         raise ValueError(
             f"basis has {basis.shape[0]} elements but coefficients have N = {coefficients.shape[2]} "

@@ -562,7 +562,8 @@ def test_eval_fast_path_follows_every_change(density, monkeypatch):
     layer.train()
     with torch.no_grad():
         torch.testing.assert_close(layer(x), ref(), atol=2e-5, rtol=0)
-    layer.eval()
+    layer.eval()  # train()/eval() drop the caches (the remedy for writes through .data)
+    check(True, x[0])
     with torch.enable_grad():  # gradients: the training path, not the cache
         y = layer(x)
         assert y.requires_grad
@@ -571,3 +572,288 @@ def test_eval_fast_path_follows_every_change(density, monkeypatch):
     with pytest.raises(ValueError, match="input"):  # errors still come from the full path
         with torch.no_grad():
             layer(torch.randn(1, 5, 6, 6))
+
+
+# -- regressions (audit of the interspace layers) ------------------------------------------------
+
+@pytest.fixture(params=[True, False], ids=["sparse", "dense"])
+def forced_path(request, monkeypatch):
+    """Pins the eval path of FBConv2d: the cached CSR (sparse) or the cached filters."""
+    from prunopt import ops_interspace
+    monkeypatch.setattr(ops_interspace, "sparse_is_faster", lambda *a, **k: request.param)
+    return request.param
+
+
+def _conv_ref(layer, x):
+    """nn.Conv2d with the layer's current filters: the expected output."""
+    return layer.to_conv2d()(x)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_eval_cache_dropped_by_train_and_eval_after_data_writes(padding_mode, forced_path):
+    # writes through .data bypass the version counter: train()/eval() (also on a
+    # parent module) must make the next eval call rebuild the caches
+    layer = FBConv2d(4, 4, 3, padding=1, padding_mode=padding_mode).eval()
+    layer.mask.bernoulli_(0.5, generator=_gen())
+    model = nn.Sequential(layer)
+    x = torch.randn(1, 4, 6, 6)
+    with torch.no_grad():
+        y0 = layer(x)
+        layer(x)  # the fast path is armed too
+        layer.coefficients.data.mul_(2)
+        layer.train()
+        layer.eval()
+        torch.testing.assert_close(layer(x), _conv_ref(layer, x), atol=1e-5, rtol=0)
+        b = layer.bias.reshape(1, -1, 1, 1)
+        torch.testing.assert_close(layer(x), 2 * (y0 - b) + b, atol=1e-5, rtol=0)  # not the stale y0
+        layer.basis.weight.data.mul_(-1)
+        model.train()
+        model.eval()
+        torch.testing.assert_close(layer(x), _conv_ref(layer, x), atol=1e-5, rtol=0)
+        layer.mask.data.zero_()
+        model.eval()  # already in eval: eval() still drops the caches
+        torch.testing.assert_close(layer(x), b.expand(1, 4, 6, 6), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_eval_cache_not_fooled_by_replaced_tensors_reusing_an_address(padding_mode, forced_path):
+    # a new mask per pruning round: the new tensor may get the freed address of
+    # an earlier one with the same version (0); the cache compares identity
+    torch.manual_seed(0)
+    layer = FBConv2d(8, 8, 3, padding=1, padding_mode=padding_mode, bias=False).eval()
+    x = torch.randn(1, 8, 6, 6)
+    stale = 0
+    with torch.no_grad():
+        for r in range(40):
+            layer.mask = (torch.rand(8, 8, 9) < 0.5).float()
+            if r % 2:
+                continue
+            stale += not torch.allclose(layer(x), _conv_ref(layer, x), atol=1e-5)
+            stale += not torch.allclose(layer(x), _conv_ref(layer, x), atol=1e-5)  # the fast path
+    assert stale == 0
+
+
+def test_eval_cache_follows_data_assignment(forced_path):
+    # p.data = new keeps the Parameter object and its version: the cache keeps
+    # the old storage alive, so the new data pointer always differs
+    layer = FBConv2d(4, 4, 3, padding=1).eval()
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        for r in range(10):
+            layer.coefficients.data = torch.randn(4, 4, 9)
+            layer.mask.data = (torch.rand(4, 4, 9) < 0.5).float()
+            torch.testing.assert_close(layer(x), _conv_ref(layer, x), atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer(x), _conv_ref(layer, x), atol=1e-5, rtol=0)
+
+
+def test_copies_and_pickles_leave_the_eval_cache_behind():
+    import copy
+    import pickle
+
+    layer = FBConv2d(4, 4, 3, padding=1).eval()
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        layer(x)
+        layer(x)
+    assert layer._eval_fast is not None and layer._compressed
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert other._compressed is None and other._eval_fast is None and other._compressed_refs is None
+        with torch.no_grad():
+            other.coefficients.mul_(3)
+            torch.testing.assert_close(other(x), _conv_ref(other, x), atol=1e-5, rtol=0)
+    assert layer._eval_fast is not None  # the original keeps its own
+    layer.double()  # .to() drops the caches (they hold the old dtype)
+    assert layer._compressed is None and layer._eval_fast is None
+
+
+def test_to_interspace_converts_exact_conv2d_only():
+    class MyConv(nn.Conv2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(MyConv(3, 3, 3), nn.Conv2d(3, 3, 3))
+    x = torch.randn(1, 3, 8, 8)
+    y = model(x)
+    assert to_interspace(model) is model
+    assert type(model[0]) is MyConv and isinstance(model[1], FBConv2d)
+    torch.testing.assert_close(model(x), y, atol=1e-5, rtol=0)
+
+
+def test_to_interspace_replaces_a_tied_conv_under_every_name():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv2d(3, 3, 3, padding=1)
+            self.b = self.a
+            self.seq = nn.Sequential(self.a)
+
+        def forward(self, x):
+            return self.seq[0](self.b(self.a(x)))
+
+    model = Tied()
+    x = torch.randn(1, 3, 6, 6)
+    y = model(x)
+    to_interspace(model, init="orthonormal", generator=_gen())
+    assert isinstance(model.a, FBConv2d) and model.a is model.b is model.seq[0]
+    assert sum(isinstance(m, FBConv2d) for m in model.modules()) == 1
+    torch.testing.assert_close(model(x), y, atol=1e-5, rtol=0)
+
+
+def test_to_interspace_top_level_conv_returns_the_new_layer():
+    conv = nn.Conv2d(3, 4, 3, padding=1).eval()
+    x = torch.randn(2, 3, 5, 5)
+    y = conv(x)
+    out = to_interspace(conv, init="orthonormal")
+    assert isinstance(out, FBConv2d) and not out.training
+    assert type(conv) is nn.Conv2d and dict(conv.named_children()) == {}  # left unchanged
+    torch.testing.assert_close(out(x), y, atol=1e-5, rtol=0)
+    one = nn.Conv2d(3, 4, 1)
+    assert to_interspace(one) is one  # 1x1 stays standard
+    assert to_interspace(conv, sharing=lambda name, c: None) is conv
+
+
+def test_to_interspace_bases_follow_dtype_and_device():
+    model = nn.Sequential(nn.Conv2d(3, 3, 3), nn.Conv2d(3, 3, 3).double(), nn.Conv2d(3, 3, 3).double())
+    to_interspace(model, sharing="coarse")
+    assert model[0].basis is not model[1].basis and model[1].basis is model[2].basis
+    assert model[0].basis.weight.dtype == torch.float32 and model[1].basis.weight.dtype == torch.float64
+    x = torch.randn(1, 3, 7, 7, dtype=torch.float64)
+    assert model[2](model[1](x)).dtype == torch.float64
+    model = nn.Sequential(nn.Conv2d(3, 3, 3), nn.Conv2d(3, 3, 3).double())
+    to_interspace(model, sharing=lambda name, conv: "all")
+    assert model[0].basis.weight.dtype == torch.float32 and model[1].basis.weight.dtype == torch.float64
+
+
+def test_fbconv2d_rejects_a_basis_of_another_dtype_or_device():
+    with pytest.raises(ValueError, match="basis"):
+        FBConv2d(2, 2, 3, basis=FilterBasis(3), dtype=torch.float64)
+    with pytest.raises(ValueError, match="basis"):
+        FBConv2d(2, 2, 3, basis=FilterBasis(3), device="meta")
+    with pytest.raises(ValueError, match="basis"):
+        FBConv2d.from_conv2d(nn.Conv2d(2, 2, 3).double(), FilterBasis(3))
+    basis = FilterBasis(3, dtype=torch.float64)
+    layer = FBConv2d(2, 2, 3, basis=basis)  # dtype=None takes the basis's
+    assert layer.coefficients.dtype == torch.float64 and layer.basis is basis
+    assert FBConv2d(2, 2, 3, basis=basis, dtype=torch.float64, device="cpu").basis is basis
+
+
+@pytest.mark.parametrize("kwargs, exc", [
+    (dict(init="orthonormal", size=9), ValueError),  # right for the 3x3 layer, wrong for the 5x5 one
+    (dict(sharing=lambda name, conv: [name] if name == "1" else name), TypeError),  # unhashable at the second
+])
+def test_to_interspace_error_leaves_the_model_unchanged(kwargs, exc):
+    model = nn.Sequential(nn.Conv2d(3, 3, 3), nn.Conv2d(3, 3, 5))
+    before = list(model)
+    with pytest.raises(exc):
+        to_interspace(model, **kwargs)
+    assert list(model) == before and all(type(m) is nn.Conv2d for m in model)
+
+
+def test_meta_device_layer():
+    layer = FBConv2d(2, 4, 3, padding=1, device="meta")
+    assert layer.coefficients.device.type == "meta"
+    x = torch.randn(1, 2, 5, 5, device="meta")
+    assert layer(x).shape == (1, 4, 5, 5) and layer(x).device.type == "meta"
+    layer.eval()
+    with torch.no_grad():
+        assert layer(x).shape == (1, 4, 5, 5)
+        assert layer(x[0]).shape == (4, 5, 5)
+    reflect = FBConv2d(2, 4, 3, padding=1, padding_mode="reflect", device="meta").eval()
+    with torch.no_grad():
+        assert reflect(x).shape == (1, 4, 5, 5)
+
+
+@pytest.mark.parametrize("n", [4, 9, 16])
+def test_pruning_rates_count_the_standard_network_for_a_dictionary(n):
+    # D of eq. 9 (SPEC.md §3) is C_out C_in/groups K^2 whatever the dictionary size N
+    layer = FBConv2d(2, 4, 3, groups=2, basis=FilterBasis(3, size=n, init="random", generator=_gen()))
+    layer.mask.zero_()
+    layer.mask[:, :, 0] = 1  # 4 non-zero coefficients
+    r = pruning_rates(nn.Sequential(layer))
+    d = 4 * 1 * 9
+    assert r["D"] == d and r["nonzero"] == 4 and r["basis_nonzero"] == n * 9
+    assert r["p_SP"] == pytest.approx(1 - 4 / d) and r["p_IP"] == pytest.approx(1 - (4 + 9 * n) / d)
+    storage = interspace_report(nn.Sequential(layer))["storage_bytes"]
+    assert storage["dense"] == 4 * d  # the standard network's weights, float32
+    assert storage["csr"] == sparse_storage(4 * n, 4, rows=4)["csr"]  # the stored coefficients
+    assert storage["entropy"] == pytest.approx(sparse_storage(4 * n, 4)["entropy"])
+    assert storage["bases"] == 4 * 9 * n
+
+
+def test_flops_have_no_side_effects_and_restore_every_mode():
+    model = nn.Sequential(FBConv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Dropout(0.5),
+                          nn.Sequential(nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3)))
+    model.train()
+    model[3].eval()  # mixed modes: restored per submodule
+    modes = {name: m.training for name, m in model.named_modules()}
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 2, 5, 5)
+    rng = torch.get_rng_state()
+    f = interspace_flops(model, x)
+    assert f["dense"] > 0
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    for k, v in model.state_dict().items():  # running stats and num_batches_tracked untouched
+        assert torch.equal(v, stats[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout drew nothing
+    assert model[0]._compressed is None  # no eval cache left on a training layer
+    rep = interspace_report(model, x)
+    assert rep["flops"] == f and {name: m.training for name, m in model.named_modules()} == modes
+    with pytest.raises(ValueError):  # restored on an error too
+        interspace_flops(model, torch.randn(2, 5, 5, 5))
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+@pytest.mark.parametrize("kernel_size, exc", [(3.0, TypeError), ((3, 3, 3), TypeError), ("3", TypeError),
+                                              (0, ValueError), ((3, -1), ValueError)])
+def test_kernel_size_errors_name_kernel_size(kernel_size, exc):
+    with pytest.raises(exc, match="kernel_size"):
+        FilterBasis(kernel_size)
+    with pytest.raises(exc, match="kernel_size"):
+        FBConv2d(4, 4, kernel_size)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(stride=0), ValueError, "stride"),
+    (dict(stride=1.5), TypeError, "stride"),
+    (dict(padding=-1, padding_mode="reflect"), ValueError, "padding"),
+    (dict(padding=1.5), TypeError, "padding"),
+    (dict(dilation=0), ValueError, "dilation"),
+    (dict(init="bogus", basis=FilterBasis(3)), ValueError, "init"),
+])
+def test_conv_arguments_checked_when_built(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        FBConv2d(4, 4, 3, **kwargs)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_torch_func_transforms(train, forced_path):
+    """torch.func.grad / vmap / jvp and forward-mode AD through the layer (the
+    fused kernel's C++ autograd is not functorch-aware: the reference is used)."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call, grad, jvp, vmap
+
+    torch.manual_seed(0)
+    layer = FBConv2d(4, 4, 3, padding=1, padding_mode="reflect").train(train)
+    layer.mask.bernoulli_(0.3, generator=_gen())
+    conv = layer.to_conv2d().train(train)
+    x, t = torch.randn(3, 4, 6, 6), torch.randn(3, 4, 6, 6)
+    with torch.no_grad():  # arm the eval caches and the fast path
+        layer(x)
+        layer(x)
+    torch.testing.assert_close(grad(lambda x: layer(x).square().sum())(x),
+                               grad(lambda x: conv(x).square().sum())(x), atol=1e-4, rtol=1e-5)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    g = grad(lambda p: functional_call(layer, p, (x,)).square().sum())(params)
+    layer.zero_grad()
+    layer(x).square().sum().backward()
+    for k, v in layer.named_parameters():
+        torch.testing.assert_close(g[k], v.grad, atol=1e-4, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(vmap(layer)(x), conv(x), atol=1e-5, rtol=0)
+        _, tangent = jvp(layer, (x,), (t,))  # no_grad: the eval path would drop the tangent
+        torch.testing.assert_close(tangent, conv(t) - conv.bias.reshape(1, -1, 1, 1), atol=1e-5, rtol=0)
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(layer(fwAD.make_dual(x, t))).tangent
+        assert tangent is not None
+        torch.testing.assert_close(tangent, conv(t) - conv.bias.reshape(1, -1, 1, 1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer(x), conv(x), atol=1e-5, rtol=0)  # the normal paths after

@@ -385,3 +385,80 @@ def test_auto_path_is_exact_on_both_sides_of_the_threshold():
         exact = fb_conv2d_reference(x.double(), coeff.double(), basis.double(), mask.double(), None, 1, 1)
         torch.testing.assert_close(fb_conv2d(x, coeff, basis, mask, None, 1, 1).double(), exact,
                                    **_tol(torch.float32, 1 + float(exact.abs().max())))
+
+
+# -- regressions (audit of the interspace ops) ---------------------------------------------------
+
+@pytest.mark.parametrize("path", ["auto", "dense", "sparse"])
+def test_zero_size_kernel_is_a_value_error_naming_basis(path):
+    x, c = torch.randn(1, 2, 5, 5), torch.randn(4, 2, 9)
+    for basis in (torch.randn(9, 0, 3), torch.randn(9, 3, 0)):
+        with pytest.raises(ValueError, match="basis"):
+            fb_conv2d(x, c, basis, path=path)
+    with pytest.raises(ValueError, match="basis"):
+        fb_reconstruct(c, torch.randn(9, 0, 3))
+    with pytest.raises(ValueError, match="basis"):
+        fb_conv2d_compressed(x, fb_compress(c), torch.randn(9, 0, 3))
+
+
+@pytest.mark.parametrize("path", ["auto", "dense", "sparse"])
+def test_non_tensor_input_is_a_type_error_naming_input(path):
+    c, b = torch.randn(4, 2, 9), torch.randn(9, 3, 3)
+    for bad in (None, [[1.0]]):
+        with pytest.raises(TypeError, match="input"):
+            fb_conv2d(bad, c, b, path=path)
+        with pytest.raises(TypeError, match="input"):
+            fb_conv2d_compressed(bad, fb_compress(c), b)
+
+
+def test_compress_errors_are_value_and_type_errors():
+    with pytest.raises(ValueError, match="coefficients"):
+        fb_compress(torch.randn(4, 9))
+    with pytest.raises(TypeError, match="coefficients"):
+        fb_compress([1, 2])
+    with pytest.raises(ValueError, match="meta"):
+        fb_compress(torch.randn(4, 2, 9, device="meta"))
+
+
+@pytest.mark.parametrize("path", ["auto", "dense", "sparse"])
+def test_meta_device(path):
+    x = torch.randn(2, 2, 5, 5, device="meta")
+    c, b, m = (torch.randn(4, 2, 9, device="meta"), torch.randn(9, 3, 3, device="meta"),
+               torch.ones(4, 2, 9, device="meta"))
+    y = fb_conv2d(x, c, b, m, None, 2, 1, path=path)
+    assert y.device.type == "meta" and y.shape == (2, 4, 3, 3)
+    assert fb_conv2d(x[0], c, b, m, None, 1, 1, path=path).shape == (4, 5, 5)
+    assert fb_reconstruct(c, b, m).shape == (4, 2, 3, 3)
+
+
+@pytest.mark.parametrize("path", ["auto", "dense", "sparse"])
+def test_torch_func_transforms(path):
+    """torch.func.grad / vmap / jvp through the ops match torch.autograd (the
+    reference is used under the transforms)."""
+    from torch.func import grad, jvp, vmap
+
+    torch.manual_seed(0)
+    x, c, b = torch.randn(2, 4, 6, 6, dtype=torch.float64), torch.randn(6, 2, 5, dtype=torch.float64), \
+        torch.randn(5, 3, 3, dtype=torch.float64)
+    m = (torch.rand(6, 2, 5) < 0.5).double()
+
+    def f(x, c, b):
+        return fb_conv2d(x, c, b, m, None, 1, 1, 1, 2, path=path).square().sum()
+
+    got = grad(f, argnums=(0, 1, 2))(x, c, b)
+    xs, cs, bs = (t.clone().requires_grad_() for t in (x, c, b))
+    want = torch.autograd.grad(f(xs, cs, bs), (xs, cs, bs))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10)
+    with torch.no_grad():
+        y = vmap(lambda xi: fb_conv2d(xi, c, b, m, None, 1, 1, 1, 2, path=path))(x)
+        torch.testing.assert_close(y, fb_conv2d_reference(x, c, b, m, None, 1, 1, 1, 2), atol=1e-12, rtol=0)
+        t = torch.randn_like(c)
+        _, tangent = jvp(lambda c: fb_conv2d(x, c, b, m, None, 1, 1, 1, 2, path=path), (c,), (t,))
+        torch.testing.assert_close(tangent, fb_conv2d_reference(x, t, b, m, None, 1, 1, 1, 2), atol=1e-12, rtol=0)
+    gl = grad(lambda c: fb_reconstruct(c, b, m).square().sum())(c)
+    torch.testing.assert_close(gl, 2 * torch.einsum("oikl,nkl->oin", fb_reconstruct(c, b, m), b) * m,
+                               atol=1e-10, rtol=1e-10)
+    comp = fb_compress(c, m)
+    gx = grad(lambda x: fb_conv2d_compressed(x, comp, b, None, 1, 1, 1, 2).square().sum())(x)
+    torch.testing.assert_close(gx, got[0], atol=1e-10, rtol=1e-10)
