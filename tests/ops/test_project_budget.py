@@ -222,6 +222,38 @@ def test_output_never_requires_grad(use_kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
+def test_inplace_bumps_version_counters(use_kernel, monkeypatch):
+    # autograd must notice that a tensor saved for backward was overwritten;
+    # the kernel path used to leave ``_version`` unchanged and backward then
+    # silently used the projected values
+    import prunopt.ops as ops
+
+    if use_kernel and not prunopt.extension_available():
+        pytest.skip("compiled extension not built")
+    if not use_kernel:
+        monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+    a, b = torch.rand(6) * 2, torch.rand(4) * 2
+    va, vb = a._version, b._version
+    ops.project_budget_([a, b], 2.0)
+    assert a._version > va and b._version > vb
+    w = torch.rand(6, requires_grad=True)
+    t = torch.rand(6) * 2
+    loss = (w * t).sum()  # saves t for backward
+    ops.project_budget_(t, 1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    if use_kernel:  # the raw op, and inference tensors (which have no version counter)
+        c = torch.rand(5) * 2
+        vc = c._version
+        torch.ops.prunopt.project_budget_([c], None, 1.0)
+        assert c._version > vc
+        with torch.inference_mode():
+            d = torch.rand(5) * 2
+            torch.ops.prunopt.project_budget_([d], None, 1.0)
+            assert float(d.sum()) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
 def test_inplace_rejects_aliased_tensors_before_writing(use_kernel, monkeypatch):
     import prunopt.ops as ops
 

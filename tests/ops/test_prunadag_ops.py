@@ -186,6 +186,25 @@ def test_step_op_errors_leave_inputs_untouched():
 
 
 @needs_ext
+def test_step_op_bumps_version_counters():
+    # every tensor the schema marks as written gets a new version, so autograd
+    # and version-keyed caches see the in-place step
+    xs, gs, so, sd = _case([10, 5], torch.float32, 0, False)
+    hyp = _hyper_tensor([TensorHyper(lr=1.0), TensorHyper(lr=1.0)])
+    written = xs + so + sd
+    before = [t._version for t in written]
+    gv = [g._version for g in gs]
+    torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 3, 3)
+    assert all(t._version > v for t, v in zip(written, before))
+    assert [g._version for g in gs] == gv  # read only
+    w = torch.rand(10, requires_grad=True)
+    loss = (w * xs[0]).sum()  # saves xs[0]
+    torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 3, 3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@needs_ext
 def test_opcheck():
     xs, gs, so, sd = _case([6, 1, 0, 9], torch.float64, 1, False)
     hyp = _hyper_tensor([TensorHyper(lr=0.5, k=1.0) for _ in xs])

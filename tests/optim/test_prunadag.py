@@ -476,3 +476,23 @@ def test_complex_with_fused_true_is_a_type_error():
     c.grad = torch.randn(5, dtype=torch.complex64)
     with pytest.raises(TypeError, match="complex"):
         PrunAdag([c], fused=True).step()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_step_bumps_parameter_versions(path):
+    # like torch.optim's in-place updates: a tensor saved for backward before
+    # the step is known to be stale (the fused op used to leave _version alone)
+    ps = [torch.randn(s, dtype=torch.float32).requires_grad_() for s in [(13,), (4, 5)]]
+    opt = PrunAdag(ps, relevant=0.5, **_path_kwargs(path))
+    _set_grads(ps, 0, torch.float32)
+    before = [p._version for p in ps]
+    opt.step()
+    assert all(p._version > v for p, v in zip(ps, before))
+    assert all(opt.state[p]["sum"]._version > 0 for p in ps)
+    saved = ps[1].detach()  # shares the version counter with ps[1]
+    w = torch.ones(4, 5, requires_grad=True)
+    loss = (w * saved).sum()  # saves the parameter's current value
+    _set_grads(ps, 1, torch.float32)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -1,0 +1,64 @@
+// Version counters of the tensors our in-place ops write (ADInplaceOrView).
+//
+// ATen's own in-place ops bump the version counter of every tensor they
+// mutate, which is how autograd notices that a tensor saved for backward was
+// overwritten ("one of the variables needed for gradient computation has been
+// modified by an inplace operation") and how views and caches notice changes.
+// A custom op gets that only from a kernel at the ADInplaceOrView key; without
+// it, prunopt::project_budget_ / prunopt::prunadag_step_ changed tensors in
+// place with their versions unchanged, so a backward through a tensor saved
+// before the step silently used the new values.
+//
+// One boxed kernel serves every mutable op: it reads which arguments the
+// schema marks as written (`Tensor(a!)`, `Tensor(a!)[]`, `Tensor(a!)?`), runs
+// the op below this key, then bumps each written tensor's version once.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace prunopt {
+namespace {
+
+void collect_written(const c10::IValue& v, std::vector<at::Tensor>& out) {
+  if (v.isTensor()) {
+    out.push_back(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(t);
+  } else if (v.isList()) {  // Tensor?[]
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isTensor()) out.push_back(e.toTensor());
+    }
+  }  // None (an absent optional): nothing written
+}
+
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t n = args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < n; ++i) {
+    const auto* alias = args[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) {
+      collect_written((*stack)[stack->size() - n + i], written);
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) {
+    if (t.defined() && !t.is_inference()) {
+      t.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace prunopt
+
+TORCH_LIBRARY_IMPL(prunopt, ADInplaceOrView, m) {
+  m.impl("project_budget_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
+  m.impl("prunadag_step_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
+}
