@@ -87,6 +87,20 @@ def topk_threshold_reference(values: Sequence[Tensor], k: int) -> Tensor:
     return torch.kthvalue(flat, n - k + 1).values
 
 
+def ieee_sqrt(t: Tensor) -> Tensor:
+    """``sqrt`` correctly rounded for float32/16 inputs (IEEE 754, as the
+    kernels' ``sqrtps``): taken in float64 and rounded once. ``torch.sqrt`` on
+    a CPU whose vector unit is AVX2 uses a 0.5001-ulp Sleef routine that is off
+    by one ulp for ~16% of float inputs, and prunAdag's decrease step
+    ``x - lr |x| / sqrt(w^D)`` can cancel to a few hundred times that. (The
+    float64 square root of a float is within one float64 ulp of the true
+    value, which is never that close to a float midpoint, so the one rounding
+    is exact.)"""
+    if t.dtype == torch.float64:
+        return t.sqrt()
+    return t.double().sqrt().to(t.dtype)
+
+
 def effective_grad(x: Tensor, g: Tensor, hp: TensorHyper) -> Tensor:
     """Step 1: ``g <- g + weight_decay * x``, then ``g <- -g`` if maximize."""
     d = g if hp.weight_decay == 0 else g.add(x, alpha=hp.weight_decay)
@@ -137,7 +151,7 @@ def prunadag_step_reference(
             lr_k = hp.lr_k
             # Step 3, eq. 2.7: tentative (w^O)^2 and the Adagrad step of eq. 2.9
             so_new = so.addcmul(g, g, value=1)
-            std = so_new.sqrt().add_(hp.eps)
+            std = ieee_sqrt(so_new).add_(hp.eps)
             s_opt = torch.zeros_like(x).addcdiv_(g, std, value=-lr_k)
             # Table 1 bounds (lr_k makes a and b bound the real step; lr = 1 is the paper)
             scale = lr_k / (hp.k + 1.0) * (1.0 if version in (2, 4) else ratio)
@@ -153,7 +167,7 @@ def prunadag_step_reference(
             opt = r | acc  # eq. 2.4: O = R u A;  D = complement
             # Step 6, eq. 2.10: (w^D)^2 grows by x^2 on D, s^L = -x / w^D
             sd_new = sd.addcmul(x, x, value=1)
-            s_l = (ax * lr_k) / (sd_new.sqrt().add_(hp.eps))
+            s_l = (ax * lr_k) / (ieee_sqrt(sd_new).add_(hp.eps))
             # eq. 2.16: on D ∩ M shrink by min(a, |s^L|) towards 0, else no step
             dec = torch.where(m, torch.minimum(a, s_l), torch.zeros_like(a))
             x_dec = x - torch.sign(x) * dec
