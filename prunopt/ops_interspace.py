@@ -389,6 +389,9 @@ def fb_conv2d_compressed(
             f"compressed values must have the dtype and device of basis ({basis.dtype}, {basis.device}), "
             f"got {compressed.values.dtype}, {compressed.values.device}"
         )
+    if isinstance(bias, Tensor) and (bias.dtype != basis.dtype or bias.device != basis.device):
+        raise ValueError(f"bias must have the dtype and device of basis ({basis.dtype}, {basis.device}), "
+                         f"got {bias.dtype}, {bias.device}")
     # shapes, conv arguments and input are checked against a meta stand-in of the coefficients
     meta = torch.empty(compressed.shape, dtype=basis.dtype, device="meta")
     validate_fb_args(None, meta, basis.to("meta"), None, None if bias is None else bias.to("meta"))

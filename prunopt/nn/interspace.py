@@ -15,6 +15,8 @@ et al., "Interspace Pruning", CVPR 2022). See ``docs/interspace.md``.
 from __future__ import annotations
 
 import math
+import numbers
+import weakref
 from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -59,6 +61,11 @@ def _same_device(requested, actual: torch.device) -> bool:
     if d.index is None and d.type not in ("cpu", "meta"):
         d = torch.empty(0, device=d).device
     return d.index == actual.index or (d.index is None and actual.index is None)
+
+
+# FilterBasis -> (error_msgs of the load_state_dict call, key, tensor) of the
+# last prefix a shared basis was loaded from (see FilterBasis._load_from_state_dict)
+_BASIS_LOADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class FilterBasis(nn.Module):
@@ -133,6 +140,26 @@ class FilterBasis(nn.Module):
         """The basis ``weight`` (``FilterBasis`` is a container, not a layer)."""
         return self.weight
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A shared basis is visited once per layer prefix by load_state_dict. If
+        # two prefixes carry different values (a state dict of a model with
+        # finer sharing), the last would silently win: report it as a load
+        # error instead. ``error_msgs`` is one list per load_state_dict call,
+        # which scopes the record to that call.
+        key = prefix + "weight"
+        incoming = state_dict.get(key)
+        if isinstance(incoming, Tensor):
+            prev = _BASIS_LOADS.get(self)
+            if prev is not None and prev[0] is error_msgs and prev[2] is not incoming and (
+                    prev[2].shape != incoming.shape or not torch.equal(prev[2].to(incoming.device), incoming)):
+                error_msgs.append(
+                    f"{key}: this FilterBasis is shared with {prev[1]!r}, which the state dict gives other values; "
+                    f"load into a model built with the same sharing (to_interspace's sharing=)")
+            _BASIS_LOADS[self] = (error_msgs, key, incoming)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def extra_repr(self) -> str:
         return f"size={self.size}, kernel_size={self.kernel_size}, init={self.init!r}"
 
@@ -170,7 +197,8 @@ class FBConv2d(nn.Module):
 
     A ``basis`` passed in is shared, not copied: it must already have the
     layer's ``dtype`` and ``device`` (``None`` takes the basis's), else
-    ``ValueError``.
+    ``ValueError``. ``init`` (default ``"standard"``) initialises a new basis;
+    with a ``basis`` it must be ``None`` or the basis's own ``init``.
 
     ``torch.func`` transforms (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) and
     forward-mode AD (``torch.autograd.forward_ad``) work: under them the layer
@@ -214,6 +242,9 @@ class FBConv2d(nn.Module):
         elif tuple(basis.kernel_size) != kernel_size:
             raise ValueError(f"basis has kernel_size {basis.kernel_size} but the layer has {kernel_size}")
         else:  # a basis passed in is shared: converting it would break the sharing
+            if init is not None and init != basis.init:
+                raise ValueError(f"init={init!r} applies to a new basis, but basis (init={basis.init!r}) was given: "
+                                 f"pass one of them")
             bw = basis.weight
             if dtype is not None and dtype != bw.dtype:
                 raise ValueError(f"basis has dtype {bw.dtype} but the layer was asked for dtype={dtype}; a basis is "
@@ -673,10 +704,21 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
 
 def interspace_param_groups(model: nn.Module, weight_decay: float, **options) -> List[dict]:
     """Optimizer param groups with ``weight_decay`` on everything but the filter bases,
-    which get none (App. B.3; SPEC.md §3). Shared bases appear once.
+    which get none (App. B.3; SPEC.md §3). Shared bases appear once. ``options``
+    (``lr``, ``momentum``, ...) go into both groups; they may not contain
+    ``params`` or ``weight_decay``.
 
     >>> opt = torch.optim.SGD(interspace_param_groups(model, 5e-4), lr=0.1, momentum=0.9)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real):
+        raise TypeError(f"weight_decay must be a real number, got {type(weight_decay).__name__}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    clash = sorted({"params", "weight_decay"} & set(options))
+    if clash:
+        raise ValueError(f"options may not set {clash}: interspace_param_groups sets them per group")
     basis_ids = {id(m.weight) for m in model.modules() if isinstance(m, FilterBasis)}
     decay, no_decay = [], []
     for p in model.parameters():  # deduplicated by torch

@@ -15,6 +15,7 @@ are kept in the budget by :class:`prunopt.optim.BudgetProjection`.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -37,14 +38,28 @@ __all__ = [
 _EPS = 1e-6
 
 
+def _real(value, name: str) -> float:
+    """``value`` as a float: ``TypeError`` naming ``name`` unless a real number
+    (int, float, numpy scalar, one-element tensor; not a bool)."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
 def gumbel_sigmoid(theta: Tensor, tau: float, hard: bool = False, generator: Optional[torch.Generator] = None) -> Tensor:
     r"""Relaxed Bernoulli sample with probabilities ``theta`` at temperature ``tau``.
 
     ``y = sigmoid((logit(theta) + log u - log(1 - u)) / tau)``; with ``hard=True``
     the forward value is ``1[y > 0.5]`` and the gradient is that of ``y``
-    (straight-through). ``theta`` is clamped to ``[1e-6, 1 - 1e-6]`` for the logit.
+    (straight-through). ``theta`` is clamped to ``[1e-6, 1 - 1e-6]`` for the logit;
+    a NaN score gives a NaN sample, as ``torch.sigmoid`` does (no host sync to check).
     """
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
+    if not isinstance(theta, Tensor):
+        raise TypeError(f"theta must be a tensor, got {type(theta).__name__}")
+    tau = _real(tau, "tau")
+    if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be a finite number > 0, got {tau}")
     p = theta.clamp(_EPS, 1 - _EPS)
     u = torch.rand(p.shape, dtype=p.dtype, device=p.device, generator=generator).clamp(_EPS, 1 - _EPS)
@@ -78,6 +93,7 @@ class ProbMask(nn.Module):
     def __init__(self, shape: Sequence[int], init: float = 1.0, tau: float = 1.0, hard: bool = False,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
+        init, tau = _real(init, "init"), _real(tau, "tau")
         if not (0.0 <= init <= 1.0):
             raise ValueError(f"init must be in [0, 1], got {init}")
         if not (math.isfinite(tau) and tau > 0):
@@ -99,6 +115,8 @@ class ProbMask(nn.Module):
 
     def fix(self, mask: Tensor) -> None:
         """Freezes the mask to a binary tensor (used by :func:`finalize_probmask`)."""
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
         if mask.shape != self.scores.shape:
             raise ValueError(f"mask must have shape {tuple(self.scores.shape)}, got {tuple(mask.shape)}")
         self.fixed = mask.detach().to(device=self.scores.device, dtype=torch.bool).clone()
@@ -231,6 +249,7 @@ def finalize_probmask(model: nn.Module, density: float) -> int:
     """Fixes every mask to the deterministic global top-``k`` scores with
     ``k = round(density * D)`` (D = number of masked weights): exactly the
     budgeted number of ones. Returns ``k``."""
+    density = _real(density, "density")
     if not (0.0 <= density <= 1.0):
         raise ValueError(f"density must be in [0, 1], got {density}")
     masks = probmask_modules(model)

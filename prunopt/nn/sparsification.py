@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -273,7 +273,10 @@ def _load_from_batchnorm(sbn: SparseBatchNorm2d, bn: nn.BatchNorm2d, preserve: b
 def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed: bool = True, rgf: bool = True,
                                 rgf_alpha: float = 0.1) -> nn.Module:
     r"""Replaces every ``nn.BatchNorm2d`` of ``model`` (in place) by a
-    :class:`SparseBatchNorm2d` and returns ``model``.
+    :class:`SparseBatchNorm2d` and returns ``model``; when ``model`` itself is
+    an ``nn.BatchNorm2d``, returns its replacement (``model`` is left as it is,
+    as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does), so use the return
+    value. A BatchNorm2d registered under several names gets one replacement.
 
     ``preserve=True`` keeps the function of a trained model: running statistics
     are copied and the gate is solved for :math:`a = w` (the BN weight) at the
@@ -287,18 +290,32 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if signed is False and preserve:
         raise ValueError("preserve=True needs signed gates (non-negative gates sum to 1 and cannot equal BN weights)")
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.BatchNorm2d) and not isinstance(child, SparseBatchNorm2d):
-            p = child.running_mean if child.running_mean is not None else child.weight
-            sbn = SparseBatchNorm2d(child.num_features, eps=child.eps, momentum=child.momentum,
-                                    track_running_stats=child.track_running_stats, signed=signed, rgf=rgf,
-                                    rgf_alpha=rgf_alpha, device=p.device if p is not None else None,
-                                    dtype=p.dtype if p is not None else None)
-            _load_from_batchnorm(sbn, child, preserve)
-            sbn.train(child.training)
-            setattr(model, name, sbn)
-        else:
-            convert_to_sparse_batchnorm(child, preserve, signed, rgf, rgf_alpha)
+
+    def convert(child: nn.BatchNorm2d) -> "SparseBatchNorm2d":
+        p = child.running_mean if child.running_mean is not None else child.weight
+        sbn = SparseBatchNorm2d(child.num_features, eps=child.eps, momentum=child.momentum,
+                                track_running_stats=child.track_running_stats, signed=signed, rgf=rgf,
+                                rgf_alpha=rgf_alpha, device=p.device if p is not None else None,
+                                dtype=p.dtype if p is not None else None)
+        _load_from_batchnorm(sbn, child, preserve)
+        sbn.train(child.training)
+        return sbn
+
+    def is_target(m: nn.Module) -> bool:
+        return isinstance(m, nn.BatchNorm2d) and not isinstance(m, SparseBatchNorm2d)
+
+    if is_target(model):
+        return convert(model)
+    # build every replacement first (a BatchNorm2d under several names gets one
+    # SparseBatchNorm2d, so the tying is kept), then swap them in
+    new: Dict[int, SparseBatchNorm2d] = {}
+    for m in model.modules():
+        if is_target(m) and id(m) not in new:
+            new[id(m)] = convert(m)
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):  # every name (named_children lists a module once)
+            if child is not None and id(child) in new:
+                setattr(parent, name, new[id(child)])
     return model
 
 

@@ -857,3 +857,39 @@ def test_torch_func_transforms(train, forced_path):
         assert tangent is not None
         torch.testing.assert_close(tangent, conv(t) - conv.bias.reshape(1, -1, 1, 1), atol=1e-5, rtol=0)
         torch.testing.assert_close(layer(x), conv(x), atol=1e-5, rtol=0)  # the normal paths after
+
+
+def test_init_with_basis_param_groups_and_compressed_bias_errors():
+    from prunopt import ops_interspace
+    from prunopt.nn import FilterBasis, interspace_param_groups
+
+    basis = FilterBasis(3, init="orthonormal")
+    with pytest.raises(ValueError, match="init"):
+        FBConv2d(2, 3, 3, basis=basis, init="standard")  # used to be ignored silently
+    assert FBConv2d(2, 3, 3, basis=basis, init="orthonormal").basis is basis
+    model = nn.Sequential(FBConv2d(2, 3, 3, basis=basis), FBConv2d(3, 3, 3, basis=basis))
+    groups = interspace_param_groups(model, 1e-4, lr=0.1)
+    assert [g["weight_decay"] for g in groups] == [1e-4, 0.0] and groups[1]["params"] == [basis.weight]
+    for bad, exc in [(dict(weight_decay="1"), TypeError), (dict(weight_decay=-1.0), ValueError)]:
+        with pytest.raises(exc, match="weight_decay"):
+            interspace_param_groups(model, **bad)
+    with pytest.raises(ValueError, match="params"):
+        interspace_param_groups(model, 0.0, params=[])
+    layer = model[0]
+    c = ops_interspace.fb_compress(layer.coefficients, layer.mask)
+    with pytest.raises(ValueError, match=r"bias must have the dtype and device of basis \(torch.float32, cpu\)"):
+        ops_interspace.fb_conv2d_compressed(torch.randn(1, 2, 6, 6), c, basis.weight, torch.zeros(3, dtype=torch.float64))
+
+
+def test_shared_basis_loaded_with_conflicting_values_is_an_error():
+    torch.manual_seed(1)
+    fine = to_interspace(vgg_like(), sharing="fine", init="random")
+    coarse = to_interspace(vgg_like(), sharing="coarse")
+    with pytest.raises(RuntimeError, match="shared with"):  # the last prefix used to win silently
+        coarse.load_state_dict(fine.state_dict())
+    # equal values under every prefix load fine (e.g. a fine model whose bases agree)
+    fine2 = to_interspace(vgg_like(), sharing="fine")
+    coarse2 = to_interspace(vgg_like(), sharing="coarse")
+    coarse2.load_state_dict(fine2.state_dict())
+    assert coarse2[0].basis is coarse2[3].basis
+    coarse2.load_state_dict(coarse.state_dict())  # a later call starts afresh

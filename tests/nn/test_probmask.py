@@ -163,3 +163,27 @@ def test_state_dict_round_trips_between_fixed_and_unfixed_masks():
     b.load_state_dict(a.state_dict())
     b.eval()
     torch.testing.assert_close(b(torch.ones(2, 3)), torch.tensor([[1.0, 0, 1], [0, 0, 1]]))
+
+
+def test_argument_types_are_named():
+    import numpy as np
+
+    for kwargs, name in [(dict(init="0.5"), "init"), (dict(tau="1"), "tau"), (dict(init=True), "init"),
+                         (dict(tau=None), "tau")]:
+        with pytest.raises(TypeError, match=name):
+            ProbMask((3,), **kwargs)
+    with pytest.raises(TypeError, match="tau"):
+        gumbel_sigmoid(torch.rand(3), "0.5")
+    with pytest.raises(TypeError, match="theta"):
+        gumbel_sigmoid([0.5, 0.5], 1.0)
+    model = _model()
+    apply_probmask(model)
+    with pytest.raises(TypeError, match="density"):
+        finalize_probmask(model, "0.5")
+    with pytest.raises(TypeError, match="mask"):
+        probmask_modules_first = next(m for m in model.modules() if isinstance(m, ProbMask))
+        probmask_modules_first.fix([1, 0])
+    # numpy and 0-dim tensor numbers are numbers
+    pm = ProbMask((3,), init=np.float32(0.25), tau=torch.tensor(2.0))
+    assert pm.tau == 2.0 and torch.equal(pm.scores.detach(), torch.full((3,), 0.25))
+    assert finalize_probmask(model, np.float64(0.5)) > 0

@@ -312,3 +312,25 @@ def test_convert_preserve_affine_false_and_zero_weights():
     convert_to_sparse_batchnorm(model)
     torch.testing.assert_close(model[0].gates(), torch.tensor([1.0, 0.0, -2.0]))
     torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_convert_top_level_and_tied_batchnorms():
+    torch.manual_seed(5)
+    x = torch.randn(4, 3, 5, 5)
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+        bn.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+    bn(torch.randn(8, 3, 5, 5) * 2 + 1)
+    bn.eval()
+    ref = bn(x)
+    new = convert_to_sparse_batchnorm(bn)  # a bare BatchNorm2d: its replacement comes back
+    assert isinstance(new, SparseBatchNorm2d) and type(bn) is nn.BatchNorm2d and not new.training
+    torch.testing.assert_close(new(x), ref, atol=1e-5, rtol=1e-5)
+    assert convert_to_sparse_batchnorm(new) is new  # already converted
+    # one BatchNorm2d under two names stays one module
+    shared = nn.BatchNorm2d(3)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), shared, nn.ReLU(), nn.Conv2d(3, 3, 1), shared)
+    out = convert_to_sparse_batchnorm(model, preserve=False)
+    assert out is model and isinstance(model[1], SparseBatchNorm2d) and model[1] is model[4]
+    assert sum(isinstance(m, SparseBatchNorm2d) for m in model.modules()) == 1
