@@ -48,26 +48,26 @@ def fractions_arg(name: str):
     return parse
 
 
-def positive_float_arg(name: str):
-    """argparse ``type=`` for a finite number > 0 (learning rates, temperatures, exponents)."""
+def _float_above_zero_arg(name: str, strict: bool):
+    what = "a finite number > 0" if strict else "a finite number >= 0"
+
     def parse(text):
-        v = _number(text, name, "a finite number > 0")
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {v}")
+        v = _number(text, name, what)
+        if not (v > 0 if strict else v >= 0):
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {v}")
         return v
 
     return parse
+
+
+def positive_float_arg(name: str):
+    """argparse ``type=`` for a finite number > 0 (learning rates, temperatures, exponents)."""
+    return _float_above_zero_arg(name, strict=True)
 
 
 def nonnegative_float_arg(name: str):
     """argparse ``type=`` for a finite number >= 0 (regularisation strengths)."""
-    def parse(text):
-        v = _number(text, name, "a finite number >= 0")
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {v}")
-        return v
-
-    return parse
+    return _float_above_zero_arg(name, strict=False)
 
 
 def int_arg(name: str, minimum: int):
