@@ -87,18 +87,35 @@ def topk_threshold_reference(values: Sequence[Tensor], k: int) -> Tensor:
     return torch.kthvalue(flat, n - k + 1).values
 
 
+_SQRT_IS_IEEE: dict = {}
+
+
+def _torch_sqrt_is_ieee(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.sqrt`` gives the correctly rounded result on this device
+    and dtype: probed once on 4096 values against the float64 route (the AVX2
+    routine misses on ~16% of floats, so it cannot pass by chance)."""
+    key = (device.type, dtype)
+    ok = _SQRT_IS_IEEE.get(key)
+    if ok is None:
+        probe = torch.linspace(0.01, 100.0, 4096, dtype=torch.float64).to(device=device, dtype=dtype)
+        ok = bool(torch.equal(probe.sqrt(), probe.double().sqrt_().to(dtype)))
+        _SQRT_IS_IEEE[key] = ok
+    return ok
+
+
 def ieee_sqrt(t: Tensor) -> Tensor:
     """``sqrt`` correctly rounded for float32/16 inputs (IEEE 754, as the
-    kernels' ``sqrtps``): taken in float64 and rounded once. ``torch.sqrt`` on
-    a CPU whose vector unit is AVX2 uses a 0.5001-ulp Sleef routine that is off
-    by one ulp for ~16% of float inputs, and prunAdag's decrease step
-    ``x - lr |x| / sqrt(w^D)`` can cancel to a few hundred times that. (The
+    kernels' ``sqrtps``). ``torch.sqrt`` on a CPU whose vector unit is AVX2 uses
+    a 0.5001-ulp Sleef routine that is off by one ulp for ~16% of float inputs,
+    and prunAdag's decrease step ``x - lr |x| / sqrt(w^D)`` can cancel to a few
+    hundred times that; there (found by a one-time probe) the root is taken in
+    float64 and rounded once, elsewhere ``torch.sqrt`` is used as is. (The
     float64 square root of a float is within one float64 ulp of the true
     value, which is never that close to a float midpoint, so the one rounding
     is exact.)"""
-    if t.dtype == torch.float64:
+    if t.dtype == torch.float64 or _torch_sqrt_is_ieee(t.device, t.dtype):
         return t.sqrt()
-    return t.double().sqrt().to(t.dtype)
+    return t.double().sqrt_().to(t.dtype)
 
 
 def effective_grad(x: Tensor, g: Tensor, hp: TensorHyper) -> Tensor:

@@ -562,3 +562,16 @@ def test_step_simd_clones_agree(dtype, version, monkeypatch):
                 assert torch.equal(a, b)
             else:
                 torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0.0)
+
+
+def test_reference_sqrt_is_correctly_rounded():
+    # every float32 mantissa of [1, 4) (sqrt is scale-invariant by powers of 4):
+    # the reference's root is the IEEE one, whatever torch.sqrt does here
+    import numpy as np
+
+    from prunopt.reference.prunadag import ieee_sqrt
+
+    t = torch.arange(0x3F800000, 0x40800000, 61, dtype=torch.int32).view(torch.float32)
+    expect = torch.from_numpy(np.sqrt(t.numpy()))  # numpy: the hardware sqrtps
+    assert torch.equal(ieee_sqrt(t), expect)
+    assert torch.equal(ieee_sqrt(t.double()), t.double().sqrt())
