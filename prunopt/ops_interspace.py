@@ -398,8 +398,6 @@ def fb_conv2d_compressed(
     stride, padding, dilation, groups = validate_fb_args(
         input.to("meta"), meta, basis.to("meta"), None, None, stride, padding, dilation, groups,
     )
-    if isinstance(bias, Tensor) and (bias.device != basis.device):
-        raise ValueError(f"bias must be on the device of basis ({basis.device}), got {bias.device}")
     if input.device != basis.device:
         raise ValueError(f"input must be on the device of basis ({basis.device}), got {input.device}")
     if input.device.type in _CSR_DEVICES and not _transforms_active():

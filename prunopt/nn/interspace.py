@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _reverse_repeat_tuple
 
 from prunopt import ops, ops_interspace
-from prunopt.ops_interspace import _functorch_active, _fwad
+from prunopt.nn._swap import swap_modules
 from prunopt.reference.interspace import _pair as _checked_pair
 from prunopt.reference.interspace import fb_reconstruct_reference, validate_fb_args, validate_fb_input
 
@@ -469,7 +469,7 @@ class FBConv2d(nn.Module):
                 or g._version != g_v or g.data_ptr() != g_p or self._parameters.get("bias") is not bias
                 or (self.stride, self.padding, self.dilation, self.groups, self.padding_mode) != conf
                 or torch.is_autocast_enabled(device.type) or torch.compiler.is_compiling()
-                or _functorch_active() or _fwad._current_level >= 0):
+                or ops_interspace._transforms_active()):
             return None
         kind, what, padding = call
         if kind == "csr":
@@ -529,7 +529,7 @@ class FBConv2d(nn.Module):
         device_type = input.device.type
         autocast = ops_interspace._autocast_enabled(device_type)
         compiling = torch.compiler.is_compiling()
-        if not compiling and (_functorch_active() or _fwad._current_level >= 0):
+        if not compiling and ops_interspace._transforms_active():
             # torch.func transforms and forward-mode AD: the pure-PyTorch
             # reconstruction (the fused kernel's autograd is a C++ Function, which
             # functorch rejects; the sparse ops have no forward-mode formulas)
@@ -693,13 +693,7 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
         layer.train(conv.training)
         new[id(conv)] = layer
     # 2. swap them in, under every name
-    if id(model) in new:
-        return new[id(model)]
-    for parent in list(model.modules()):
-        for child_name, child in list(parent._modules.items()):
-            if child is not None and id(child) in new:
-                parent._modules[child_name] = new[id(child)]
-    return model
+    return swap_modules(model, new)
 
 
 def interspace_param_groups(model: nn.Module, weight_decay: float, **options) -> List[dict]:

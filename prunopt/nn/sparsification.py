@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn._swap import swap_modules
 from prunopt.ops import sparse_gate
 
 __all__ = [
@@ -304,19 +305,13 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
     def is_target(m: nn.Module) -> bool:
         return isinstance(m, nn.BatchNorm2d) and not isinstance(m, SparseBatchNorm2d)
 
-    if is_target(model):
-        return convert(model)
     # build every replacement first (a BatchNorm2d under several names gets one
     # SparseBatchNorm2d, so the tying is kept), then swap them in
-    new: Dict[int, SparseBatchNorm2d] = {}
+    new: Dict[int, nn.Module] = {}
     for m in model.modules():
         if is_target(m) and id(m) not in new:
             new[id(m)] = convert(m)
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):  # every name (named_children lists a module once)
-            if child is not None and id(child) in new:
-                setattr(parent, name, new[id(child)])
-    return model
+    return swap_modules(model, new)
 
 
 def sparse_gates(model: nn.Module) -> List[Tensor]:

@@ -203,14 +203,21 @@ def test_opcheck(cost):
     torch.library.opcheck(torch.ops.prunopt.project_budget.default, (tg, cs, 4.0))
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
-def test_output_never_requires_grad(use_kernel, monkeypatch):
+def _projection_path(use_kernel, monkeypatch):
+    """``prunopt.ops`` with the projection on the kernel (skipped without the
+    extension) or, with ``use_kernel=False``, on the pure-PyTorch reference."""
     import prunopt.ops as ops
 
     if use_kernel and not prunopt.extension_available():
         pytest.skip("compiled extension not built")
     if not use_kernel:
         monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+    return ops
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_output_never_requires_grad(use_kernel, monkeypatch):
+    ops = _projection_path(use_kernel, monkeypatch)
     g = torch.tensor([0.9, 0.8, 0.1], requires_grad=True)
     out = ops.project_budget(g, 1.0)
     assert not out.requires_grad and out.grad_fn is None  # was WarnNotImplemented on the kernel path
@@ -226,12 +233,7 @@ def test_inplace_bumps_version_counters(use_kernel, monkeypatch):
     # autograd must notice that a tensor saved for backward was overwritten;
     # the kernel path used to leave ``_version`` unchanged and backward then
     # silently used the projected values
-    import prunopt.ops as ops
-
-    if use_kernel and not prunopt.extension_available():
-        pytest.skip("compiled extension not built")
-    if not use_kernel:
-        monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+    ops = _projection_path(use_kernel, monkeypatch)
     a, b = torch.rand(6) * 2, torch.rand(4) * 2
     va, vb = a._version, b._version
     ops.project_budget_([a, b], 2.0)
@@ -255,12 +257,7 @@ def test_inplace_bumps_version_counters(use_kernel, monkeypatch):
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_inplace_rejects_aliased_tensors_before_writing(use_kernel, monkeypatch):
-    import prunopt.ops as ops
-
-    if use_kernel and not prunopt.extension_available():
-        pytest.skip("compiled extension not built")
-    if not use_kernel:
-        monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+    ops = _projection_path(use_kernel, monkeypatch)
     s = torch.tensor([0.9, 0.9])
     with pytest.raises(ValueError, match=r"theta\[0\] and theta\[1\] share memory"):
         ops.project_budget_([s, s], 1.0)  # used to give [0, 0]
