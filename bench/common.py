@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -51,6 +52,21 @@ def median_time(fn: Callable[[], object], min_run_time: float = 1.0, threads: in
     CUDA calls are synchronised by the Timer)."""
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
     return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def interleaved_times(fns: Dict[str, Callable[[], object]], min_run_time: float = 1.0, threads: int = 2,
+                      rounds: int = 5, device: str = "cpu") -> Dict[str, float]:
+    """Median seconds per call of each contender, measured in ``rounds`` rounds
+    that take the contenders in turn (each round a blocked autorange of
+    ``min_run_time / rounds``); a contender's time is the median of its round
+    medians. On a shared or throttled host the speed drifts over seconds, and
+    timing one contender after the other puts that drift into their ratio;
+    alternating spreads it over all of them."""
+    per = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(median_time(fn, min_run_time / rounds, threads, device))
+    return {name: statistics.median(ts) for name, ts in per.items()}
 
 
 def write_results(name: str, rows: List[Dict[str, object]], env: Dict[str, object], notes: str = "",
