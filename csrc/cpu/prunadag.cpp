@@ -53,12 +53,16 @@ using namespace prunopt::prunadag;
 
 // Fixed work unit (elements of the concatenated index space).
 constexpr int64_t kChunk = 1 << 16;
-// Sample: kSampleBlocks blocks of kSampleLen contiguous elements (one cache
-// line of float32 each); below kSampleMin pruned elements every element is a
-// candidate instead.
+// Sample: up to kSampleBlocks blocks of kSampleLen contiguous elements (one
+// cache line of float32 each; see sample_blocks); below kSampleMin pruned
+// elements every element is a candidate instead.
 constexpr int64_t kSampleBlocks = 2048;
+constexpr int64_t kSampleBlocksMin = 128;
 constexpr int64_t kSampleLen = 16;
 constexpr int64_t kSampleMin = 1 << 16;
+// Fewer candidates than this are selected and summed on the calling thread
+// (a parallel region costs more than the work: ~10 us each on 2 cores).
+constexpr int64_t kSerialCandidates = 1 << 14;
 
 struct Seg {
   void* x;
@@ -867,8 +871,19 @@ void select_two(std::vector<K>& keys, int64_t p1, int64_t p2, K& v1, K& v2) {
   }
 }
 
+// Sample blocks for a scope of `total` elements. The sample costs ~s (its
+// misses and the serial select of two order statistics) and the candidates
+// the bracket lets through ~n / sqrt(s), so the best s grows as n^(2/3):
+// 2048 blocks (32K keys, tuned at n = 10M, where candidates are ~1.5% of n)
+// scaled by (total / 10M)^(2/3), between 128 and 2048 blocks. (A fixed 32K
+// keys took 0.2 ms at n = 100K, twice a whole Adagrad step there.)
+int64_t sample_blocks(int64_t total) {
+  const double scaled = static_cast<double>(kSampleBlocks) * std::cbrt(std::pow(static_cast<double>(total) / 1e7, 2.0));
+  return std::clamp<int64_t>(static_cast<int64_t>(scaled), kSampleBlocksMin, kSampleBlocks);
+}
+
 // A bracket [lo, hi] of |g| values that holds the k-th largest of the n pruned
-// elements with high probability: kSampleBlocks blocks of kSampleLen
+// elements with high probability: sample_blocks(total) blocks of kSampleLen
 // contiguous elements spread evenly over the index space; the sample's order
 // statistics at rank k/n * s -/+ 4.5 binomial standard deviations + 8 (a
 // miss only costs the exact fallback). For small n, [0, inf]: every element
@@ -888,9 +903,10 @@ int64_t sample_bracket(const std::vector<Seg>& segs, int64_t total, int64_t n, i
     int64_t b, e;
   };
   std::vector<Piece> pieces;
-  pieces.reserve(kSampleBlocks + 16);
-  for (int64_t blk = 0; blk < kSampleBlocks; ++blk) {
-    const int64_t start = blk * (total - kSampleLen) / (kSampleBlocks - 1);
+  const int64_t nblocks = sample_blocks(total);
+  pieces.reserve(nblocks + 16);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t start = blk * (total - kSampleLen) / (nblocks - 1);
     for_each_piece(segs, start, std::min(total, start + kSampleLen), [&](const Seg& s, int64_t b, int64_t e) {
       if (s.prune) {
         pieces.push_back(Piece{&s, b, e});
@@ -935,7 +951,7 @@ int64_t sample_bracket(const std::vector<Seg>& segs, int64_t total, int64_t n, i
     }
   });
   std::vector<K> sample;
-  sample.reserve(kSampleBlocks * kSampleLen);
+  sample.reserve(nblocks * kSampleLen);
   for (const auto& part : parts) {
     sample.insert(sample.end(), part.begin(), part.end());
   }
@@ -985,7 +1001,7 @@ T* scratch(int slot, int64_t size) {
 // The r-th largest (r >= 1) of the candidate keys, all in [klo, khi]: a
 // 4096-bin histogram over the key range, then nth_element inside one bin.
 template <typename K, typename T>
-K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64_t r) {
+K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64_t r, int64_t ncand) {
   const uint64_t span = static_cast<uint64_t>(khi) - static_cast<uint64_t>(klo);
   const int shift = bin_shift(span);
   const int64_t nbins = static_cast<int64_t>(span >> shift) + 1;
@@ -995,9 +1011,10 @@ K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64
   // multiset and nth_element only needs their values).
   const int64_t nouts = static_cast<int64_t>(outs.size());
   constexpr int64_t kTasks = 8;
+  const int64_t grain = ncand < kSerialCandidates ? kTasks : 1;  // few: no parallel region
   const int64_t per = (nouts + kTasks - 1) / kTasks;
   std::vector<std::vector<int64_t>> hists(kTasks);
-  at::parallel_for(0, kTasks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, kTasks, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       std::vector<int64_t>& h = hists[t];
       h.assign(nbins, 0);
@@ -1020,7 +1037,7 @@ K kth_largest_candidate(const std::vector<ScanOut<T>>& outs, K klo, K khi, int64
     above += hist[bin];
   }
   std::vector<std::vector<K>> parts(kTasks);
-  at::parallel_for(0, kTasks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, kTasks, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t i = t * per; i < std::min(nouts, (t + 1) * per); ++i) {
         const auto& o = outs[i];
@@ -1099,12 +1116,12 @@ Selected sampled_select(const std::vector<Seg>& segs, int64_t total, int64_t n, 
     return res;
   }
   const K tkey = kth_largest_candidate<K, scalar_t>(outs, magnitude_key<scalar_t>(lo),
-      magnitude_key<scalar_t>(hi), k - above);
+      magnitude_key<scalar_t>(hi), k - above, ncand);
   tau = value_of_key<scalar_t>(tkey);
   if constexpr (kNorms) {
     // The candidates' share, per chunk in parallel, then summed in chunk order.
     std::vector<double> cg2(nchunks, 0.0), cx2(nchunks, 0.0);
-    at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    at::parallel_for(0, nchunks, ncand < kSerialCandidates ? nchunks : 1, [&](int64_t cb, int64_t ce) {
       for (int64_t ch = cb; ch < ce; ++ch) {
         const auto& o = outs[ch];
         double sg = 0.0, sx = 0.0;

@@ -234,6 +234,11 @@ SELECT_MODES = ["sample", "radix"]
 LARGE = 150_001
 
 
+def _sample_blocks(total):
+    """The CPU kernel's sample size in blocks of 16 (prunadag.cpp, sample_blocks)."""
+    return max(128, min(2048, int(2048 * (total / 1e7) ** (2 / 3))))
+
+
 def _large_values(kind, seed=0):
     g = torch.Generator().manual_seed(seed)
     if kind == "normal":
@@ -253,8 +258,9 @@ def _large_values(kind, seed=0):
     if kind == "unsampled":  # large values only between the sample blocks of kernel (see prunadag.cpp)
         total = LARGE
         sampled = torch.zeros(total, dtype=torch.bool)
-        for blk in range(2048):
-            start = blk * (total - 16) // 2047
+        blocks = _sample_blocks(total)
+        for blk in range(blocks):
+            start = blk * (total - 16) // (blocks - 1)
             sampled[start:start + 16] = True
         v = torch.rand(total, generator=g)
         v[~sampled] += 10.0
@@ -277,6 +283,19 @@ def test_threshold_large_matches_kthvalue(kind, mode, monkeypatch):
         for k in (1, 2, 100, n // 1000, n // 10, n // 2, n - 1, n):
             expected = torch.kthvalue(flat, n - k + 1).values
             assert torch.equal(topk_threshold(vals, k), expected), (kind, mode, dtype, k)
+
+
+@needs_ext
+@pytest.mark.parametrize("n", [65_536, 700_001, 2_500_000])
+def test_threshold_sample_sizes_match_kthvalue(n, monkeypatch):
+    """The sample grows with n (128 blocks at the bottom, 347 at 700K, 812 at
+    2.5M): every size brackets tau and gives kthvalue's value."""
+    monkeypatch.setenv("PRUNOPT_PRUNADAG_SELECT", "sample")
+    g = torch.Generator().manual_seed(n)
+    vals = [torch.randn(n, generator=g)]
+    flat = vals[0].abs()
+    for k in (1, n // 100, n // 10, n // 2, n):
+        assert torch.equal(topk_threshold(vals, k), torch.kthvalue(flat, n - k + 1).values), (n, k)
 
 
 def _large_step_case(kind, dtype, seed=0):
