@@ -197,10 +197,12 @@ def _inference_rows(quick: bool, threads: int):
             scale = 1 + y_dense.abs().max().item()
             torch.testing.assert_close(y_ours, y_dense, atol=1e-4 * scale, rtol=1e-4)  # verify first
             torch.testing.assert_close(y_scipy, y_dense, atol=1e-4 * scale, rtol=1e-4)
-            mrt = 0.3 if quick else 1.5
-            t_dense = median_time(dense_forward, min_run_time=mrt, threads=threads)
-            t_ours = median_time(lambda: net(x), min_run_time=mrt, threads=threads)
-            t_scipy = median_time(lambda: _scipy_forward(scipy_layers, x, pool), min_run_time=mrt, threads=threads)
+            times = interleaved_times({
+                "dense": dense_forward,
+                "ours": lambda: net(x),
+                "scipy": lambda: _scipy_forward(scipy_layers, x, pool),
+            }, min_run_time=0.6 if quick else 3.0, threads=threads)
+            t_dense, t_ours, t_scipy = times["dense"], times["ours"], times["scipy"]
         dense_flops = sparse_flops = 0.0
         hw = 32
         for i, (c_in, c_out, _) in enumerate(VGG16_CIFAR):
@@ -237,7 +239,8 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
         notes="(b) VGG16-CIFAR conv stack (13 FB convs + max-pools) at batch 1, uniform coefficient sparsity p: "
               "dense F.conv2d network vs prunopt (FBConv2d in eval: per layer the cost model picks eq. 8 on the cached CSR "
               "or conv2d with the cached filters) vs the paper's "
-              "scipy.sparse.csr_matrix method (App. D.4), median ms. ideal_flop_ratio = dense FLOPs / IP FLOPs (App. D). "
+              "scipy.sparse.csr_matrix method (App. D.4), median ms (5 rounds alternating the three, median of the "
+              "round medians). ideal_flop_ratio = dense FLOPs / IP FLOPs (App. D). "
               "Targets: p=0.9 >= 2x vs dense and >= 3x vs scipy; p=0.99 >= 5x vs dense. "
               "Each p is timed twice, the three networks sharing one pool: F.max_pool2d, and the same values by two "
               "pairwise torch.maximum (about 3x faster at batch 1 here), which shows what the convolutions cost.",
