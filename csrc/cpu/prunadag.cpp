@@ -2,7 +2,7 @@
 // the fused step over one selection scope.
 //
 // Memory passes per step (float32, version 3; Adagrad makes 5 streams):
-//   1. sample: ~32K elements in 2048 cache-line blocks spread over the scope
+//   1. sample: 2K-32K elements in 128-2048 cache-line blocks (growing as n^(2/3))
 //      give a bracket [lo, hi] of keys |g| that holds tau with high probability;
 //   2. scan (reads g, x): counts |g| > hi, keeps lo <= |g| <= hi as a small
 //      list of candidates (effective g, x), and sums ||g||^2 over |g| > hi and
