@@ -48,7 +48,7 @@ def fractions_arg(name: str):
     return parse
 
 
-def _float_above_zero_arg(name: str, strict: bool):
+def _bounded_float_arg(name: str, strict: bool):
     what = "a finite number > 0" if strict else "a finite number >= 0"
 
     def parse(text):
@@ -62,12 +62,12 @@ def _float_above_zero_arg(name: str, strict: bool):
 
 def positive_float_arg(name: str):
     """argparse ``type=`` for a finite number > 0 (learning rates, temperatures, exponents)."""
-    return _float_above_zero_arg(name, strict=True)
+    return _bounded_float_arg(name, strict=True)
 
 
 def nonnegative_float_arg(name: str):
     """argparse ``type=`` for a finite number >= 0 (regularisation strengths)."""
-    return _float_above_zero_arg(name, strict=False)
+    return _bounded_float_arg(name, strict=False)
 
 
 def int_arg(name: str, minimum: int):

@@ -878,7 +878,7 @@ void select_two(std::vector<K>& keys, int64_t p1, int64_t p2, K& v1, K& v2) {
 // scaled by (total / 10M)^(2/3), between 128 and 2048 blocks. (A fixed 32K
 // keys took 0.2 ms at n = 100K, twice a whole Adagrad step there.)
 int64_t sample_blocks(int64_t total) {
-  const double scaled = static_cast<double>(kSampleBlocks) * std::cbrt(std::pow(static_cast<double>(total) / 1e7, 2.0));
+  const double scaled = static_cast<double>(kSampleBlocks) * std::pow(static_cast<double>(total) / 1e7, 2.0 / 3.0);
   return std::clamp<int64_t>(static_cast<int64_t>(scaled), kSampleBlocksMin, kSampleBlocks);
 }
 
