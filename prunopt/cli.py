@@ -35,6 +35,17 @@ def fraction_arg(name: str):
     return parse
 
 
+def open_fraction_arg(name: str):
+    """argparse ``type=`` for a number in (0, 1] (a fraction that must keep something)."""
+    def parse(text):
+        v = _number(text, name, "a number in (0, 1]")
+        if not 0.0 < v <= 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {v}")
+        return v
+
+    return parse
+
+
 def fractions_arg(name: str):
     """argparse ``type=`` for a comma-separated, non-empty list of numbers in [0, 1]."""
     one = fraction_arg(name)

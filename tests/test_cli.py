@@ -56,6 +56,8 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
     (["train", "--method", "ds", "--ds-lambda", "inf"], "--ds-lambda"),
     (["train", "--method", "ds", "--ds-norm", "l21", "--ds-group", "3"], "--ds-group"),
     (["train", "--method", "prunadag", "--prunadag-relevant", "-0.5"], "--prunadag-relevant"),
+    (["train", "--method", "prunadag", "--prunadag-relevant", "5"], "--prunadag-relevant"),  # was clamped to 1
+    (["train", "--method", "prunadag", "--prunadag-relevant", "0"], "--prunadag-relevant"),
     (["compare", "--method", "snip", "--sparsities", "1.5"], "--sparsities"),
     (["compare", "--method", "snip", "--sparsities", ","], "--sparsities"),
     (["compare", "--method", "lt", "--sparsities", "0.5,1"], "lottery"),

@@ -423,7 +423,9 @@ class PrunAdag(torch.optim.Optimizer):
             norms) and keeps it out of ``n``, ``T`` and ``r``.
         lr: learning rate (the paper uses 1).
         relevant: ``T`` of eq. 2.6: an int (``1 <= T <= n``) or a float in (0, 1]
-            giving ``T = ceil(relevant * n)``. ``relevant=1.0`` is Adagrad exactly.
+            giving ``T = ceil(relevant * n)`` (of the decimal fraction: ``0.07`` of
+            100 is 7; see :func:`prunopt.reference.resolve_relevant`).
+            ``relevant=1.0`` is Adagrad exactly.
         version: 1, 2, 3, 4 (Table 1) or ``"relevant_only"`` (``O = R``, the
             paper's ablation of section 3.1.1; its shrink uses version 3's ``a``).
         scope: ``"global"`` (one top-T set and ratio over all pruned groups, the

@@ -63,7 +63,15 @@ class TensorHyper:
 
 def resolve_relevant(relevant, n: int, name: str = "relevant") -> int:
     """The target ``T`` of eq. 2.6: ``relevant`` itself if it is an int
-    (``1 <= T <= n``), ``ceil(relevant * n)`` if it is a float in ``(0, 1]``."""
+    (``1 <= T <= n``), ``ceil(relevant * n)`` if it is a float in ``(0, 1]``.
+
+    The product is taken exactly from the float ``relevant`` (integer
+    arithmetic), and a value within ``n * 2**-50`` above an integer (float
+    noise: ``0.07`` is stored as ``0.07000000000000000666...``, so the float
+    product ``0.07 * 100`` is ``7.000000000000001``) counts as that integer:
+    ``relevant=0.07, n=100`` gives 7, not 8, as :func:`prunopt.pruning.kept_count`
+    does for its floor. A real excess (e.g. ``0.5`` of ``2_000_000_001``) still
+    rounds up."""
     if isinstance(relevant, bool) or not isinstance(relevant, (int, float)):
         raise TypeError(f"{name} must be an int >= 1 or a float in (0, 1], got {type(relevant).__name__}")
     if isinstance(relevant, int):
@@ -74,7 +82,12 @@ def resolve_relevant(relevant, n: int, name: str = "relevant") -> int:
         return relevant
     if not (0.0 < relevant <= 1.0) or math.isnan(relevant):
         raise ValueError(f"{name} must be in (0, 1] when it is a float, got {relevant}")
-    return max(1, min(n, math.ceil(relevant * n))) if n > 0 else 0
+    if n <= 0:
+        return 0
+    num, den = float(relevant).as_integer_ratio()  # relevant = num / den exactly, den a power of two
+    # ceil((num n - n den 2^-50) / den), all in integers
+    t = -((n * den - num * n * (1 << 50)) // (den << 50))
+    return max(1, min(n, t))
 
 
 def topk_threshold_reference(values: Sequence[Tensor], k: int) -> Tensor:

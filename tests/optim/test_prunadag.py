@@ -289,6 +289,25 @@ def test_int_relevant_larger_than_scope_raises_before_update():
         assert torch.equal(p, b)
 
 
+def test_float_relevant_is_the_decimal_fraction():
+    """T = ceil(relevant * n) for the decimal the user wrote: 0.07 of 100 is 7
+    (the float product is 7.000000000000001), on every path."""
+    from prunopt.reference.prunadag import resolve_relevant
+
+    for pct in range(1, 101):
+        for n in (100, 300, 1000, 70_000):
+            assert resolve_relevant(pct / 100, n) == pct * n // 100, (pct, n)
+    assert resolve_relevant(0.5, 2_000_000_001) == 1_000_000_001  # a real excess rounds up
+    assert resolve_relevant(0.1 + 1e-12, 10) == 2
+    assert resolve_relevant(1e-9, 10) == 1 and resolve_relevant(0.3, 0) == 0
+    # the optimizer relevant-selects exactly 7 of 100 distinct |g| (ties none)
+    for path in PATHS:
+        p = torch.zeros(100, requires_grad=True)
+        p.grad = torch.arange(1.0, 101.0)
+        PrunAdag([p], lr=1.0, relevant=0.07, initial_accumulator_value=0.0, **_path_kwargs(path)).step()
+        assert int((p != 0).sum()) == 7, path  # x = 0: only R moves (M needs x g > 0)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_sparse_and_complex_grads(path):
     p = torch.randn(5, requires_grad=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prunopt.cli import positive_float_arg
+from prunopt.cli import open_fraction_arg
 from prunopt.optim import PrunAdag
 from prunopt.pruning.magnitude import magnitude_prune_, sparsity
 from prunopt.train.data import load_digits
@@ -22,8 +22,8 @@ def _version(text):
 def add_arguments(parser) -> None:
     """The prunadag options (validated by their argparse types)."""
     g = parser.add_argument_group("prunadag")
-    g.add_argument("--prunadag-relevant", type=positive_float_arg("--prunadag-relevant"), default=None,
-                   help="prunadag: fraction T/n of relevant weights per step (default: the target density)")
+    g.add_argument("--prunadag-relevant", type=open_fraction_arg("--prunadag-relevant"), default=None,
+                   help="prunadag: fraction T/n in (0, 1] of relevant weights per step (default: the target density)")
     g.add_argument("--prunadag-version", type=_version, default=3, choices=[1, 2, 3, 4, "relevant_only"],
                    help="prunadag: Table 1 version (default 3)")
 
@@ -38,7 +38,7 @@ def run(args) -> Summary:
     relevant = args.prunadag_relevant if getattr(args, "prunadag_relevant", None) is not None else max(args.density, 1e-6)
     version = getattr(args, "prunadag_version", 3)
     opt = PrunAdag([dict(params=weights), dict(params=others, prune=False)], lr=args.lr if args.lr is not None else 0.2,
-                   relevant=min(1.0, float(relevant)), version=version)
+                   relevant=float(relevant), version=version)
     epochs = args.epochs or 15
     gen = torch.Generator().manual_seed(args.seed)
     history = {"test_acc": []}
