@@ -403,6 +403,13 @@ class FBConv2d(nn.Module):
             plan_key = ("plan", input.shape, padding)
             sparse = cache.get(plan_key)
             if sparse is None:
+                # once per input shape and layer state (the cache is dropped when
+                # a tensor is replaced or written): the CSR op cannot know the
+                # layer's C_in or N (it takes C_in from the input), so a wrong
+                # input or a basis of another size is caught here
+                lam, mu, g = self._fb_tensors()
+                validate_fb_args(None, lam, g, mu)
+                validate_fb_input(input, lam, g, padding, self.dilation, self.groups)
                 sparse = self._inference_plan(input, padding, cache)
                 if len(cache) < 256:  # bounded for inputs of many sizes
                     cache[plan_key] = sparse

@@ -277,6 +277,29 @@ def test_wrong_input_channels_is_a_value_error():
         FBConv2d(4, 6, 3)(torch.randn(1, 5, 8, 8))
 
 
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("channels, groups", [(10, 1), (10, 2), (6, 1)])
+def test_eval_paths_check_the_input_and_basis(monkeypatch, sparse, channels, groups):
+    """In eval without gradients the sparse path runs the CSR op, which takes
+    C_in from the input: too many channels were silently dropped (or, with
+    groups, mixed across groups) until the layer checked the input itself."""
+    from prunopt import ops_interspace
+
+    monkeypatch.setattr(ops_interspace, "sparse_is_faster", lambda *a, **k: sparse)
+    torch.manual_seed(0)
+    layer = FBConv2d(8, 8, 3, padding=1, groups=groups).eval()
+    layer.mask.bernoulli_(0.3)
+    with torch.no_grad():
+        layer(torch.randn(1, 8, 6, 6))  # a good call first: the fast path is set up
+        with pytest.raises(ValueError, match="channels"):
+            layer(torch.randn(1, channels, 6, 6))
+        with pytest.raises(ValueError, match="channels"):
+            layer(torch.randn(channels, 6, 6))
+        layer.basis = FilterBasis(3, size=10, init="random")  # N = 10 against coefficients' 9
+        with pytest.raises(ValueError, match="basis"):
+            layer(torch.randn(1, 8, 6, 6))
+
+
 # -- to_interspace (Sec. 4.3, App. H) -----------------------------------------------------
 
 def vgg_like():
