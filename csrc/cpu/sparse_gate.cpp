@@ -26,8 +26,11 @@
 //   * few long groups (fewer than 2 per thread, n >= kSplitMin): every row is
 //     cut into fixed tiles and each pass is one parallel region over all tiles;
 //     the partial sums are combined per row in tile order (deterministic for any
-//     thread count) and gamma is recomputed instead of stored (no n-sized
-//     temporary). Few regions matter: on a loaded machine every region can cost
+//     thread count) and gamma, gt, t and q are recomputed in double where a
+//     later pass needs them instead of stored (no n-sized temporary; rows
+//     longer than kMaxScratch do the same). They were once parked in the
+//     output tensor, in its dtype: exp(alpha) overflowed float32 from alpha ~
+//     88.7 (float16 from ~11) and float16 lost ~1e-2 of the gradient. Few regions matter: on a loaded machine every region can cost
 //     a scheduler time slice.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -83,7 +86,10 @@ struct Sum2 {
 // ---------------------------------------------------------------------------
 // Segment primitives, each over [0, n) of one row. `*_scalar(..., i, n)` runs
 // from index i (the vector tails and the non-AVX2 path), `*_avx2(..., n)` the
-// vector body. buf / qbuf are the optional double scratch rows.
+// vector body. buf / qbuf are the optional double scratch rows: without them
+// (rows longer than kMaxScratch, split rows) a later pass recomputes the
+// per-element quantity in double instead of reading it back, so no
+// intermediate is ever rounded to (or overflows) the input dtype.
 // ---------------------------------------------------------------------------
 
 // sum |a_i|
@@ -115,50 +121,52 @@ double sum_exp_scalar(const T* a, double* buf, int64_t i, int64_t n) {
   return s;
 }
 
-// gt_i = relu(gamma_i - th) -> buf (if any, else out); returns sum gt
+// gt_i = relu(gamma_i - th) -> buf (if any); returns sum gt
 template <typename T>
-double nonneg_gt_scalar(const T* a, double* buf, double th, T* out, int64_t i, int64_t n) {
+double nonneg_gt_scalar(const T* a, double* buf, double th, int64_t i, int64_t n) {
   double s = 0;
   for (; i < n; ++i) {
     const double gt = sp::relu(gamma_at(a, buf, i) - th);
-    if (buf != nullptr) {
-      buf[i] = gt;
-    } else {
-      out[i] = static_cast<T>(gt);
-    }
+    if (buf != nullptr) buf[i] = gt;
     s += gt;
   }
   return s;
 }
 
-// out_i = gt_i / Ts, gt from buf (if any) or out
+// out_i = gt_i / Ts, gt from buf (if any) or recomputed in double
 template <typename T>
-void divide_scalar(const double* buf, double Ts, T* out, int64_t i, int64_t n) {
-  for (; i < n; ++i) out[i] = static_cast<T>((buf != nullptr ? buf[i] : ld(out, i)) / Ts);
+void divide_scalar(const T* a, const double* buf, double th, double Ts, T* out, int64_t i, int64_t n) {
+  for (; i < n; ++i) {
+    const double gt = buf != nullptr ? buf[i] : sp::relu(std::exp(ld(a, i)) - th);
+    out[i] = static_cast<T>(gt / Ts);
+  }
 }
 
-// t_i = g_i sign(a_i) d(|a_i| - th) -> buf (or out); returns P = sum t
+// t_i = g_i sign(a_i) d(|a_i| - th)
 template <typename T>
-double signed_t_scalar(const T* g, const T* a, double th, double rgf, double* buf, T* out, int64_t i, int64_t n) {
+inline double signed_t_at(const T* g, const T* a, double th, double rgf, int64_t i) {
+  const double x = ld(a, i);
+  return ld(g, i) * sp::sign(x) * sp::rgf_slope(std::fabs(x) - th, rgf);
+}
+
+// t -> buf (if any); returns P = sum t
+template <typename T>
+double signed_t_scalar(const T* g, const T* a, double th, double rgf, double* buf, int64_t i, int64_t n) {
   double s = 0;
   for (; i < n; ++i) {
-    const double x = ld(a, i);
-    const double t = ld(g, i) * sp::sign(x) * sp::rgf_slope(std::fabs(x) - th, rgf);
-    if (buf != nullptr) {
-      buf[i] = t;
-    } else {
-      out[i] = static_cast<T>(t);
-    }
+    const double t = signed_t_at(g, a, th, rgf, i);
+    if (buf != nullptr) buf[i] = t;
     s += t;
   }
   return s;
 }
 
-// galpha_i = sign(a_i) (t_i - sP), t from buf (or galpha)
+// galpha_i = sign(a_i) (t_i - sP), t from buf (if any) or recomputed in double
 template <typename T>
-void signed_galpha_scalar(const T* a, const double* buf, double sP, T* galpha, int64_t i, int64_t n) {
+void signed_galpha_scalar(const T* g, const T* a, const double* buf, double th, double rgf, double sP, T* galpha,
+    int64_t i, int64_t n) {
   for (; i < n; ++i) {
-    const double t = buf != nullptr ? buf[i] : ld(galpha, i);
+    const double t = buf != nullptr ? buf[i] : signed_t_at(g, a, th, rgf, i);
     galpha[i] = static_cast<T>(sp::sign(ld(a, i)) * (t - sP));
   }
 }
@@ -175,30 +183,33 @@ Sum2 nonneg_tw_scalar(const T* g, const T* a, const double* buf, double th, int6
   return s;
 }
 
-// q_i = (g_i - ga) / Ts d(gamma_i - th) -> qbuf (or galpha); returns Q = sum q
+// q_i = (g_i - ga) / Ts d(gamma_i - th)
+template <typename T>
+inline double nonneg_q_at(const T* g, double gamma, double th, double ga, double inv_ts, double rgf, int64_t i) {
+  return (ld(g, i) - ga) * inv_ts * sp::rgf_slope(gamma - th, rgf);
+}
+
+// q -> qbuf (if any); returns Q = sum q
 template <typename T>
 double nonneg_q_scalar(const T* g, const T* a, const double* buf, double th, double ga, double inv_ts, double rgf,
-    double* qbuf, T* galpha, int64_t i, int64_t n) {
+    double* qbuf, int64_t i, int64_t n) {
   double s = 0;
   for (; i < n; ++i) {
-    const double q = (ld(g, i) - ga) * inv_ts * sp::rgf_slope(gamma_at(a, buf, i) - th, rgf);
-    if (qbuf != nullptr) {
-      qbuf[i] = q;
-    } else {
-      galpha[i] = static_cast<T>(q);
-    }
+    const double q = nonneg_q_at(g, gamma_at(a, buf, i), th, ga, inv_ts, rgf, i);
+    if (qbuf != nullptr) qbuf[i] = q;
     s += q;
   }
   return s;
 }
 
-// galpha_i = gamma_i (q_i - sQ)
+// galpha_i = gamma_i (q_i - sQ), q from qbuf (if any) or recomputed in double
 template <typename T>
-void nonneg_galpha_scalar(const T* a, const double* buf, const double* qbuf, double sQ, T* galpha, int64_t i,
-    int64_t n) {
+void nonneg_galpha_scalar(const T* g, const T* a, const double* buf, const double* qbuf, double th, double ga,
+    double inv_ts, double rgf, double sQ, T* galpha, int64_t i, int64_t n) {
   for (; i < n; ++i) {
-    const double q = qbuf != nullptr ? qbuf[i] : ld(galpha, i);
-    galpha[i] = static_cast<T>(gamma_at(a, buf, i) * (q - sQ));
+    const double gamma = gamma_at(a, buf, i);
+    const double q = qbuf != nullptr ? qbuf[i] : nonneg_q_at(g, gamma, th, ga, inv_ts, rgf, i);
+    galpha[i] = static_cast<T>(gamma * (q - sQ));
   }
 }
 
@@ -251,62 +262,63 @@ PRUNOPT_AVX2 double sum_exp_avx2(const T* a, double* buf, int64_t n) {
 }
 
 template <typename T>
-PRUNOPT_AVX2 double nonneg_gt_avx2(const T* a, double* buf, double th, T* out, int64_t n) {
+PRUNOPT_AVX2 double nonneg_gt_avx2(const T* a, double* buf, double th, int64_t n) {
   const __m256d vth = _mm256_set1_pd(th);
   __m256d acc = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     const __m256d gt = vrelu(_mm256_sub_pd(vgamma(a, buf, i), vth));
-    if (buf != nullptr) {
-      _mm256_storeu_pd(buf + i, gt);
-    } else {
-      sd::vstore4d(out + i, gt);
-    }
+    if (buf != nullptr) _mm256_storeu_pd(buf + i, gt);
     acc = _mm256_add_pd(acc, gt);
   }
-  return sd::hsum(acc) + nonneg_gt_scalar(a, buf, th, out, i, n);
+  return sd::hsum(acc) + nonneg_gt_scalar(a, buf, th, i, n);
 }
 
 template <typename T>
-PRUNOPT_AVX2 void divide_avx2(const double* buf, double Ts, T* out, int64_t n) {
-  const __m256d vts = _mm256_set1_pd(Ts);
+PRUNOPT_AVX2 void divide_avx2(const T* a, const double* buf, double th, double Ts, T* out, int64_t n) {
+  const __m256d vts = _mm256_set1_pd(Ts), vth = _mm256_set1_pd(th);
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m256d gt = buf != nullptr ? _mm256_loadu_pd(buf + i) : sd::vload4d(out + i);
+    const __m256d gt =
+        buf != nullptr ? _mm256_loadu_pd(buf + i) : vrelu(_mm256_sub_pd(sd::vexp(sd::vload4d(a + i)), vth));
     sd::vstore4d(out + i, _mm256_div_pd(gt, vts));
   }
-  divide_scalar(buf, Ts, out, i, n);
+  divide_scalar(a, buf, th, Ts, out, i, n);
+}
+
+// t of the 4 elements at a + i, g + i (signed_t_at's operations)
+template <typename T>
+PRUNOPT_AVX2 inline __m256d vsigned_t(const T* g, const T* a, __m256d vth, __m256d vrgf, bool rgf_zero, int64_t i) {
+  const __m256d x = sd::vload4d(a + i);
+  const __m256d d = sd::vrgf_slope(_mm256_sub_pd(sd::vabs(x), vth), vrgf, rgf_zero);
+  return _mm256_mul_pd(_mm256_mul_pd(sd::vload4d(g + i), vsign(x)), d);
 }
 
 template <typename T>
-PRUNOPT_AVX2 double signed_t_avx2(const T* g, const T* a, double th, double rgf, double* buf, T* out, int64_t n) {
+PRUNOPT_AVX2 double signed_t_avx2(const T* g, const T* a, double th, double rgf, double* buf, int64_t n) {
   const __m256d vth = _mm256_set1_pd(th), vrgf = _mm256_set1_pd(rgf);
   const bool rgf_zero = rgf == 0.0;
   __m256d acc = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m256d x = sd::vload4d(a + i);
-    const __m256d d = sd::vrgf_slope(_mm256_sub_pd(sd::vabs(x), vth), vrgf, rgf_zero);
-    const __m256d t = _mm256_mul_pd(_mm256_mul_pd(sd::vload4d(g + i), vsign(x)), d);
-    if (buf != nullptr) {
-      _mm256_storeu_pd(buf + i, t);
-    } else {
-      sd::vstore4d(out + i, t);
-    }
+    const __m256d t = vsigned_t(g, a, vth, vrgf, rgf_zero, i);
+    if (buf != nullptr) _mm256_storeu_pd(buf + i, t);
     acc = _mm256_add_pd(acc, t);
   }
-  return sd::hsum(acc) + signed_t_scalar(g, a, th, rgf, buf, out, i, n);
+  return sd::hsum(acc) + signed_t_scalar(g, a, th, rgf, buf, i, n);
 }
 
 template <typename T>
-PRUNOPT_AVX2 void signed_galpha_avx2(const T* a, const double* buf, double sP, T* galpha, int64_t n) {
-  const __m256d vsp = _mm256_set1_pd(sP);
+PRUNOPT_AVX2 void signed_galpha_avx2(const T* g, const T* a, const double* buf, double th, double rgf, double sP,
+    T* galpha, int64_t n) {
+  const __m256d vsp = _mm256_set1_pd(sP), vth = _mm256_set1_pd(th), vrgf = _mm256_set1_pd(rgf);
+  const bool rgf_zero = rgf == 0.0;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m256d t = buf != nullptr ? _mm256_loadu_pd(buf + i) : sd::vload4d(galpha + i);
+    const __m256d t = buf != nullptr ? _mm256_loadu_pd(buf + i) : vsigned_t(g, a, vth, vrgf, rgf_zero, i);
     sd::vstore4d(galpha + i, _mm256_mul_pd(vsign(sd::vload4d(a + i)), _mm256_sub_pd(t, vsp)));
   }
-  signed_galpha_scalar(a, buf, sP, galpha, i, n);
+  signed_galpha_scalar(g, a, buf, th, rgf, sP, galpha, i, n);
 }
 
 template <typename T>
@@ -325,37 +337,43 @@ PRUNOPT_AVX2 Sum2 nonneg_tw_avx2(const T* g, const T* a, const double* buf, doub
   return s;
 }
 
+// q of the 4 elements at i (nonneg_q_at's operations)
+template <typename T>
+PRUNOPT_AVX2 inline __m256d vnonneg_q(const T* g, __m256d gamma, __m256d vth, __m256d vga, __m256d vinv,
+    __m256d vrgf, bool rgf_zero, int64_t i) {
+  const __m256d d = sd::vrgf_slope(_mm256_sub_pd(gamma, vth), vrgf, rgf_zero);
+  return _mm256_mul_pd(_mm256_mul_pd(_mm256_sub_pd(sd::vload4d(g + i), vga), vinv), d);
+}
+
 template <typename T>
 PRUNOPT_AVX2 double nonneg_q_avx2(const T* g, const T* a, const double* buf, double th, double ga, double inv_ts,
-    double rgf, double* qbuf, T* galpha, int64_t n) {
+    double rgf, double* qbuf, int64_t n) {
   const __m256d vth = _mm256_set1_pd(th), vga = _mm256_set1_pd(ga), vinv = _mm256_set1_pd(inv_ts),
                 vrgf = _mm256_set1_pd(rgf);
   const bool rgf_zero = rgf == 0.0;
   __m256d acc = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m256d d = sd::vrgf_slope(_mm256_sub_pd(vgamma(a, buf, i), vth), vrgf, rgf_zero);
-    const __m256d q = _mm256_mul_pd(_mm256_mul_pd(_mm256_sub_pd(sd::vload4d(g + i), vga), vinv), d);
-    if (qbuf != nullptr) {
-      _mm256_storeu_pd(qbuf + i, q);
-    } else {
-      sd::vstore4d(galpha + i, q);
-    }
+    const __m256d q = vnonneg_q(g, vgamma(a, buf, i), vth, vga, vinv, vrgf, rgf_zero, i);
+    if (qbuf != nullptr) _mm256_storeu_pd(qbuf + i, q);
     acc = _mm256_add_pd(acc, q);
   }
-  return sd::hsum(acc) + nonneg_q_scalar(g, a, buf, th, ga, inv_ts, rgf, qbuf, galpha, i, n);
+  return sd::hsum(acc) + nonneg_q_scalar(g, a, buf, th, ga, inv_ts, rgf, qbuf, i, n);
 }
 
 template <typename T>
-PRUNOPT_AVX2 void nonneg_galpha_avx2(const T* a, const double* buf, const double* qbuf, double sQ, T* galpha,
-    int64_t n) {
-  const __m256d vsq = _mm256_set1_pd(sQ);
+PRUNOPT_AVX2 void nonneg_galpha_avx2(const T* g, const T* a, const double* buf, const double* qbuf, double th,
+    double ga, double inv_ts, double rgf, double sQ, T* galpha, int64_t n) {
+  const __m256d vsq = _mm256_set1_pd(sQ), vth = _mm256_set1_pd(th), vga = _mm256_set1_pd(ga),
+                vinv = _mm256_set1_pd(inv_ts), vrgf = _mm256_set1_pd(rgf);
+  const bool rgf_zero = rgf == 0.0;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m256d q = qbuf != nullptr ? _mm256_loadu_pd(qbuf + i) : sd::vload4d(galpha + i);
-    sd::vstore4d(galpha + i, _mm256_mul_pd(vgamma(a, buf, i), _mm256_sub_pd(q, vsq)));
+    const __m256d gamma = vgamma(a, buf, i);
+    const __m256d q = qbuf != nullptr ? _mm256_loadu_pd(qbuf + i) : vnonneg_q(g, gamma, vth, vga, vinv, vrgf, rgf_zero, i);
+    sd::vstore4d(galpha + i, _mm256_mul_pd(gamma, _mm256_sub_pd(q, vsq)));
   }
-  nonneg_galpha_scalar(a, buf, qbuf, sQ, galpha, i, n);
+  nonneg_galpha_scalar(g, a, buf, qbuf, th, ga, inv_ts, rgf, sQ, galpha, i, n);
 }
 
 // AVX2 body for float/double when the CPU has it, else the scalar form from 0
@@ -383,20 +401,20 @@ double sum_exp(const T* a, double* buf, int64_t n) {
   PRUNOPT_GATE_PRIMITIVE(sum_exp, a, buf);
 }
 template <typename T>
-double nonneg_gt(const T* a, double* buf, double th, T* out, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_gt, a, buf, th, out);
+double nonneg_gt(const T* a, double* buf, double th, int64_t n) {
+  PRUNOPT_GATE_PRIMITIVE(nonneg_gt, a, buf, th);
 }
 template <typename T>
-void divide(const double* buf, double Ts, T* out, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(divide, buf, Ts, out);
+void divide(const T* a, const double* buf, double th, double Ts, T* out, int64_t n) {
+  PRUNOPT_GATE_PRIMITIVE(divide, a, buf, th, Ts, out);
 }
 template <typename T>
-double signed_t(const T* g, const T* a, double th, double rgf, double* buf, T* out, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(signed_t, g, a, th, rgf, buf, out);
+double signed_t(const T* g, const T* a, double th, double rgf, double* buf, int64_t n) {
+  PRUNOPT_GATE_PRIMITIVE(signed_t, g, a, th, rgf, buf);
 }
 template <typename T>
-void signed_galpha(const T* a, const double* buf, double sP, T* galpha, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(signed_galpha, a, buf, sP, galpha);
+void signed_galpha(const T* g, const T* a, const double* buf, double th, double rgf, double sP, T* galpha, int64_t n) {
+  PRUNOPT_GATE_PRIMITIVE(signed_galpha, g, a, buf, th, rgf, sP, galpha);
 }
 template <typename T>
 Sum2 nonneg_tw(const T* g, const T* a, const double* buf, double th, int64_t n) {
@@ -404,12 +422,13 @@ Sum2 nonneg_tw(const T* g, const T* a, const double* buf, double th, int64_t n) 
 }
 template <typename T>
 double nonneg_q(const T* g, const T* a, const double* buf, double th, double ga, double inv_ts, double rgf,
-    double* qbuf, T* galpha, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_q, g, a, buf, th, ga, inv_ts, rgf, qbuf, galpha);
+    double* qbuf, int64_t n) {
+  PRUNOPT_GATE_PRIMITIVE(nonneg_q, g, a, buf, th, ga, inv_ts, rgf, qbuf);
 }
 template <typename T>
-void nonneg_galpha(const T* a, const double* buf, const double* qbuf, double sQ, T* galpha, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_galpha, a, buf, qbuf, sQ, galpha);
+void nonneg_galpha(const T* g, const T* a, const double* buf, const double* qbuf, double th, double ga, double inv_ts,
+    double rgf, double sQ, T* galpha, int64_t n) {
+  PRUNOPT_GATE_PRIMITIVE(nonneg_galpha, g, a, buf, qbuf, th, ga, inv_ts, rgf, sQ, galpha);
 }
 #undef PRUNOPT_GATE_PRIMITIVE
 
@@ -497,10 +516,10 @@ void gate_forward(const Run& run, const T* alpha, const T* beta, int64_t n, bool
   const auto G = run.template reduce<double>(
       [&](int64_t r, int64_t b, int64_t e) { return sum_exp(alpha + r * n + b, offset(buf, b), e - b); });
   const auto T_sum = run.template reduce<double>([&](int64_t r, int64_t b, int64_t e) {
-    return nonneg_gt(alpha + r * n + b, offset(buf, b), s(r) * G[r], out + r * n + b, e - b);
+    return nonneg_gt(alpha + r * n + b, offset(buf, b), s(r) * G[r], e - b);
   });
   run.each([&](int64_t r, int64_t b, int64_t e) {
-    divide(offset(buf, b), T_sum[r] > 0 ? T_sum[r] : 1.0, out + r * n + b, e - b);
+    divide(alpha + r * n + b, offset(buf, b), s(r) * G[r], T_sum[r] > 0 ? T_sum[r] : 1.0, out + r * n + b, e - b);
   });
 }
 
@@ -516,10 +535,11 @@ void gate_backward(const Run& run, const T* grad, const T* alpha, const T* beta,
         [&](int64_t r, int64_t b, int64_t e) { return sum_abs(alpha + r * n + b, e - b); });
     const auto P = run.template reduce<double>([&](int64_t r, int64_t b, int64_t e) {
       const int64_t o = r * n + b;
-      return signed_t(grad + o, alpha + o, s(r) * L[r], rgf, offset(buf, b), galpha + o, e - b);
+      return signed_t(grad + o, alpha + o, s(r) * L[r], rgf, offset(buf, b), e - b);
     });
     run.each([&](int64_t r, int64_t b, int64_t e) {
-      signed_galpha(alpha + r * n + b, offset(buf, b), s(r) * P[r], galpha + r * n + b, e - b);
+      const int64_t o = r * n + b;
+      signed_galpha(grad + o, alpha + o, offset(buf, b), s(r) * L[r], rgf, s(r) * P[r], galpha + o, e - b);
     });
     run.rows([&](int64_t r) { gbeta[r] = static_cast<T>(-ds(r) * L[r] * P[r]); });
     return;
@@ -534,10 +554,13 @@ void gate_backward(const Run& run, const T* grad, const T* alpha, const T* beta,
     const int64_t o = r * n + b;
     const double ts = Ts(r);
     return nonneg_q(grad + o, alpha + o, offset(buf, b), s(r) * G[r], TW[r].w / ts, 1.0 / ts, rgf, offset(qbuf, b),
-        galpha + o, e - b);
+        e - b);
   });
   run.each([&](int64_t r, int64_t b, int64_t e) {
-    nonneg_galpha(alpha + r * n + b, offset(buf, b), offset(qbuf, b), s(r) * Q[r], galpha + r * n + b, e - b);
+    const int64_t o = r * n + b;
+    const double ts = Ts(r);
+    nonneg_galpha(grad + o, alpha + o, offset(buf, b), offset(qbuf, b), s(r) * G[r], TW[r].w / ts, 1.0 / ts, rgf,
+        s(r) * Q[r], galpha + o, e - b);
   });
   run.rows([&](int64_t r) { gbeta[r] = static_cast<T>(-ds(r) * G[r] * Q[r]); });
 }

@@ -163,6 +163,40 @@ def test_sparse_gate_layouts(shape, dtype, signed, rgf_alpha):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("shape", [(4, 16384), (4, 16385), (1, 40001), (3, 33000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_long_rows_keep_intermediates_in_double(shape, dtype):
+    """Rows longer than the scratch row and split rows used to park gt = relu(exp(alpha)
+    - th), t and q in the output tensor, in its dtype: exp(alpha) overflowed (float32
+    and bfloat16 from alpha ~ 88.7, float16 from ~11: the gate became inf) and float16
+    lost ~1e-2 of the gradient. They are recomputed in double now, as the rows that
+    fit the scratch keep them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        big = 12.0 if dtype == torch.float16 else 90.0
+        alpha = torch.zeros(shape, dtype=dtype)
+        alpha[:, 0] = big
+        a = sparse_gate(alpha, torch.full(shape[:1], -3.0, dtype=dtype), signed=False)
+        assert torch.isfinite(a).all() and (a[:, 0] == 1).all() and (a[:, 1:] == 0).all()
+        # a realistic row: the gate values and gradients to the dtype's own rounding
+        alpha, beta = _gate_inputs(*shape, torch.float64, False, seed=shape[1])
+        alpha, beta = alpha.to(dtype), beta.to(dtype)
+        al, be = alpha.clone().requires_grad_(), beta.clone().requires_grad_()
+        a = sparse_gate(al, be, signed=False, rgf_alpha=0.1)
+        eps = torch.finfo(dtype).eps
+        ref = sparse_gate_reference(alpha.double(), beta.double(), False)
+        torch.testing.assert_close(a.double(), ref, atol=eps * ref.abs().max().item(), rtol=eps)
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+        ga, gb = torch.autograd.grad(a, (al, be), g)
+        ra, rb = sparse_gate_backward_reference(g.double(), alpha.double(), beta.double(), False, 0.1)
+        # one rounding to the dtype (the sums are in double): within 1 ulp of the largest entry
+        torch.testing.assert_close(ga.double(), ra, atol=eps * ra.abs().max().item(), rtol=eps)
+        torch.testing.assert_close(gb.double(), rb, atol=eps * rb.abs().max().item(), rtol=eps)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_sparse_gate_split_rows_match_serial(signed):
     # the same long group, split over 2 threads and run on 1: equal up to the order of the sums
