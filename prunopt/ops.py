@@ -445,8 +445,27 @@ if extension_available():
         ctx.save_for_backward(x)
         ctx.alpha = alpha
 
+    def _composed_vjp(fn, inputs, grad):
+        """``grad``'s vector-Jacobian product through the composed (plain PyTorch)
+        form of an op, differentiable in ``grad`` and in ``inputs``: the
+        backward under ``create_graph=True`` (double backward, Hessian-vector
+        products as GraSP takes them). The backward kernels have no autograd of
+        their own, so their result would be a constant there and every
+        second-order term through them silently wrong. Inputs that do not
+        require grad are detached leaves (their vjp is then still a function of
+        ``grad``)."""
+        with torch.enable_grad():
+            ins = [t if t.requires_grad else t.detach().requires_grad_() for t in inputs]
+            out = fn(*ins)
+            return torch.autograd.grad(out, ins, grad, create_graph=True, allow_unused=True)
+
+    def _second_order(grad, *tensors) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (grad,) + tensors)
+
     def _rgf_backward(ctx, grad):
         (x,) = ctx.saved_tensors
+        if _second_order(grad, x):
+            return _composed_vjp(lambda x_: rgf_relu_composed(x_, ctx.alpha), (x,), grad)[0], None
         return torch.ops.prunopt.rgf_relu_backward(grad, x, ctx.alpha), None
 
     torch.library.register_autograd("prunopt::rgf_relu", _rgf_backward, setup_context=_rgf_setup)
@@ -459,7 +478,10 @@ if extension_available():
 
     def _gate_backward(ctx, grad):
         alpha, beta = ctx.saved_tensors
-        ga, gb = torch.ops.prunopt.sparse_gate_backward(grad, alpha, beta, ctx.signed, ctx.rgf_alpha)
+        if _second_order(grad, alpha, beta):
+            ga, gb = _composed_vjp(lambda a, b: sparse_gate_composed(a, b, ctx.signed, ctx.rgf_alpha), (alpha, beta), grad)
+        else:
+            ga, gb = torch.ops.prunopt.sparse_gate_backward(grad, alpha, beta, ctx.signed, ctx.rgf_alpha)
         return ga, gb, None, None
 
     torch.library.register_autograd("prunopt::sparse_gate", _gate_backward, setup_context=_gate_setup)
@@ -471,6 +493,11 @@ if extension_available():
 
     def _tts_backward(ctx, grad):
         (w,) = ctx.saved_tensors
+        if _second_order(grad, w):
+            t_s = ctx.t_s
+            # the composed form with t_l = t_s: sigmoid(t_s w), whose derivative is
+            # the eq. 7 surrogate (the forward value does not enter the vjp)
+            return _composed_vjp(lambda w_: torch.sigmoid(t_s * w_), (w,), grad)[0], None, None
         return torch.ops.prunopt.two_temperature_sigmoid_backward(grad, w, ctx.t_s), None, None
 
     torch.library.register_autograd("prunopt::two_temperature_sigmoid", _tts_backward, setup_context=_tts_setup)
