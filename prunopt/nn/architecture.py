@@ -35,6 +35,20 @@ __all__ = [
 ]
 
 
+def _check_mask_args(t_l, t_s, init_scale) -> None:
+    for name, v in (("t_l", t_l), ("t_s", t_s), ("init_scale", init_scale)):
+        if v is None and name == "t_s":
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    t_s = t_l / 100.0 if t_s is None else t_s
+    for name, v in (("t_l", t_l), ("t_s", t_s)):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite temperature > 0, got {v}")
+    if not (math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"init_scale must be a finite number > 0, got {init_scale}")
+
+
 class TwoTemperatureMask(nn.Module):
     r"""A weight mask learnt with two temperatures (AP eq. 6-7).
 
@@ -47,7 +61,19 @@ class TwoTemperatureMask(nn.Module):
 
     Once :attr:`frozen` (target sparsity reached, or :meth:`finalize`) the layer
     uses the final binary mask :math:`\mathbf 1[w > 0]` and ``w`` gets no
-    gradient.
+    gradient (``w.requires_grad`` is False). The ``frozen`` buffer is saved in
+    the state dict, and :meth:`load_state_dict` sets ``w.requires_grad`` to
+    match the loaded value (a frozen checkpoint loads frozen, an unfrozen one
+    makes ``w`` trainable again).
+
+    On the meta device, where the buffer holds no value, the mask reads the
+    frozen state from ``w.requires_grad`` (kept in step by :meth:`freeze` and
+    :meth:`load_state_dict`), so a meta model runs for shapes.
+
+    :attr:`weight` and :attr:`bias` are read-only views for modules that read
+    a child layer's parameters directly (e.g. ``nn.TransformerEncoderLayer``'s
+    inference fast path): the masked weight and the layer's bias. The layer's
+    own weight is ``layer.weight``.
     """
 
     def __init__(self, layer: nn.Module, t_l: float = 1000.0, t_s: Optional[float] = None, init_scale: float = 1e-2,
@@ -55,20 +81,22 @@ class TwoTemperatureMask(nn.Module):
         super().__init__()
         if not isinstance(layer, (nn.Linear, nn.Conv2d)):
             raise TypeError(f"TwoTemperatureMask wraps nn.Linear or nn.Conv2d, got {type(layer).__name__}")
-        for name, v in (("t_l", t_l), ("t_s", t_l / 100.0 if t_s is None else t_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a finite temperature > 0, got {v}")
-        if not (math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale}")
+        _check_mask_args(t_l, t_s, init_scale)
         self.layer = layer
         self.t_l = float(t_l)
         self.t_s = float(t_l / 100.0 if t_s is None else t_s)
         w = layer.weight
-        self.w = nn.Parameter((torch.randn(w.shape, generator=generator, dtype=torch.float64) * init_scale).abs()
-                              .to(dtype=w.dtype, device=w.device))
+        if w.is_meta:  # no values to draw (and nothing to allocate)
+            w0 = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        else:  # drawn on the CPU in float64, so a generator gives the same w0 on every device and dtype
+            w0 = (torch.randn(w.shape, generator=generator, dtype=torch.float64, device="cpu") * init_scale).abs()
+        self.w = nn.Parameter(w0.to(dtype=w.dtype, device=w.device))
         self.register_buffer("frozen", torch.zeros((), dtype=torch.bool, device=w.device))
+
+    def _is_frozen(self) -> bool:
+        if self.frozen.is_meta:  # no value to read: freeze() and loading keep requires_grad in step
+            return not self.w.requires_grad
+        return bool(self.frozen)
 
     def relaxed_mask(self) -> Tensor:
         """v = sigmoid(t_l w) with the t_s backward (eq. 6-7)."""
@@ -79,7 +107,7 @@ class TwoTemperatureMask(nn.Module):
         return (self.w.detach() > 0).to(self.w.dtype)
 
     def mask(self) -> Tensor:
-        if bool(self.frozen):
+        if self._is_frozen():
             return self.binary_mask()
         return self.relaxed_mask()
 
@@ -90,8 +118,31 @@ class TwoTemperatureMask(nn.Module):
 
     finalize = freeze
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        n_errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "frozen"
+        if key not in state_dict or len(error_msgs) > n_errors:
+            return  # nothing (valid) was loaded for the flag: the state is as it was
+        src = self.frozen if not self.frozen.is_meta else state_dict[key]
+        if isinstance(src, Tensor) and not src.is_meta:
+            # w gets a gradient exactly when the loaded mask is not frozen
+            self.w.requires_grad_(not bool(src))
+
     def masked_weight(self) -> Tensor:
         return self.layer.weight * self.mask()
+
+    @property
+    def weight(self) -> Tensor:
+        """The masked weight ``layer.weight * mask()`` (read-only, recomputed on each access)."""
+        return self.masked_weight()
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        """The wrapped layer's bias (read-only)."""
+        return self.layer.bias
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.masked_weight()
@@ -103,15 +154,48 @@ class TwoTemperatureMask(nn.Module):
         return f"t_l={self.t_l}, t_s={self.t_s}"
 
 
+_WRAPPED_TYPES = (nn.Linear, nn.Conv2d)
+
+
 def wrap_two_temperature_masks(model: nn.Module, t_l: float = 1000.0, t_s: Optional[float] = None,
                                init_scale: float = 1e-2, generator: Optional[torch.Generator] = None) -> nn.Module:
     """Wraps every ``nn.Linear`` / ``nn.Conv2d`` of ``model`` (in place) in a
-    :class:`TwoTemperatureMask`; returns ``model``."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, (nn.Linear, nn.Conv2d)):
-            setattr(model, name, TwoTemperatureMask(child, t_l, t_s, init_scale, generator))
-        elif not isinstance(child, TwoTemperatureMask):
-            wrap_two_temperature_masks(child, t_l, t_s, init_scale, generator)
+    :class:`TwoTemperatureMask` and returns ``model``; when ``model`` itself is
+    an ``nn.Linear`` / ``nn.Conv2d``, returns its wrapper (``model`` becomes the
+    wrapper's ``layer``), so use the return value.
+
+    * Only modules whose type is exactly ``nn.Linear`` or ``nn.Conv2d`` are
+      wrapped; subclasses (e.g. ``nn.MultiheadAttention``'s ``out_proj``, a
+      ``NonDynamicallyQuantizableLinear`` whose weight the attention reads
+      directly) are left as they are, as :func:`prunopt.nn.to_interspace`
+      converts exact ``nn.Conv2d`` only.
+    * A layer registered under several names (tied) gets one wrapper, used
+      under every name, so every use is masked with the same ``w``; a layer
+      that is already wrapped is not wrapped again (a bare use of it elsewhere
+      gets its existing wrapper).
+    * The mask logits are drawn from ``generator`` in ``model.modules()`` order.
+    * The arguments are checked before anything is changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_mask_args(t_l, t_s, init_scale)
+    existing = {}  # id(layer) -> a wrapper that already holds it
+    for m in model.modules():
+        if isinstance(m, TwoTemperatureMask):
+            existing.setdefault(id(m.layer), m)
+    new = {}
+    for m in model.modules():  # each module once, however many names it has
+        if type(m) in _WRAPPED_TYPES and id(m) not in new:
+            new[id(m)] = existing[id(m)] if id(m) in existing else \
+                TwoTemperatureMask(m, t_l, t_s, init_scale, generator)
+    if id(model) in new:
+        return new[id(model)]
+    for parent in list(model.modules()):
+        if isinstance(parent, TwoTemperatureMask):
+            continue  # its layer is the wrapped module itself
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in new:
+                parent._modules[name] = new[id(child)]
     return model
 
 
@@ -125,7 +209,7 @@ def mask_regularizer(masks: Sequence[TwoTemperatureMask], gamma: float) -> Tenso
     through the two-temperature backward. Frozen masks contribute nothing."""
     if not math.isfinite(gamma) or gamma < 0:
         raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
-    live = [m for m in masks if not bool(m.frozen)]
+    live = [m for m in masks if not m._is_frozen()]
     if not live:
         return torch.zeros(())
     return gamma * sum((m.relaxed_mask() ** 2).sum() for m in live)
@@ -152,8 +236,9 @@ def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float
 
 @torch.no_grad()
 def layer_densities(masks: Sequence[TwoTemperatureMask]) -> List[float]:
-    """Density of 1[w > 0] per layer (the paper's Table 1 layerwise profile)."""
-    return [float((m.w > 0).double().mean()) for m in masks]
+    """Density of 1[w > 0] per layer (the paper's Table 1 layerwise profile);
+    NaN for a layer without weights (0 elements), whose density is undefined."""
+    return [float((m.w > 0).double().mean()) if m.w.numel() else math.nan for m in masks]
 
 
 @torch.no_grad()
@@ -169,18 +254,21 @@ def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Seq
     """Random re-draw with the same layerwise densities (the reshuffle
     experiment): each layer keeps round(d * size) weights chosen uniformly at
     random; the masks are frozen. Every density is checked (a real number in
-    [0, 1]) before any mask is changed."""
+    [0, 1]; for a layer without weights, which has nothing to draw, NaN as
+    :func:`layer_densities` gives is accepted too) before any mask is changed."""
     densities = layer_densities(masks) if densities is None else list(densities)
     if len(densities) != len(masks):
         raise ValueError(f"densities has {len(densities)} entries for {len(masks)} masks")
-    for d in densities:
+    for i, (m, d) in enumerate(zip(masks, densities)):
         if isinstance(d, bool) or not isinstance(d, numbers.Real):
             raise TypeError(f"densities must be real numbers, got {type(d).__name__}")
+        if m.w.numel() == 0 and math.isnan(d):
+            continue  # an empty layer: its density is undefined and unused
         if not 0.0 <= d <= 1.0:
-            raise ValueError(f"densities must be in [0, 1], got {d}")
+            raise ValueError(f"densities must be in [0, 1], got {d} (entry {i})")
     for m, d in zip(masks, densities):
         n = m.w.numel()
-        k = int(round(d * n))
+        k = int(round(d * n)) if n else 0
         perm = torch.randperm(n, generator=generator)[:k].to(m.w.device)
         keep = torch.zeros(n, dtype=torch.bool, device=m.w.device)
         keep[perm] = True

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn.sparsification import _safe_pow
 from prunopt.ops import rgf_relu, sparse_gate
 
 __all__ = ["SparseEdges", "SparseAdjacency", "balanced_normalize", "adjacency_regularizer"]
@@ -113,7 +114,8 @@ def adjacency_regularizer(A: Tensor, p: float = 0.5) -> Tensor:
 
     (multiply by lambda yourself). l1 would be useless here: after balanced
     normalisation every row and column sums to 1. Gradients are 0, not NaN, at
-    zero entries and zero rows. Batched over leading dimensions (summed).
+    zero entries and zero rows; a NaN entry gives a NaN result. Batched over
+    leading dimensions (summed).
     """
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0.0 < p < 1.0:
         raise ValueError(f"adjacency_regularizer needs 0 < p < 1 (eq. 14), got p={p!r}")
@@ -121,15 +123,8 @@ def adjacency_regularizer(A: Tensor, p: float = 0.5) -> Tensor:
         raise TypeError("A must be a floating tensor")
     if A.dim() < 2 or A.shape[-1] != A.shape[-2] or A.numel() == 0:
         raise ValueError(f"A must be a non-empty square matrix (..., N, N), got shape {tuple(A.shape)}")
-    mag = A.abs()
-    nz = mag > 0
-    powed = torch.where(nz, torch.where(nz, mag, torch.ones_like(mag)) ** p, torch.zeros_like(mag))
-
-    def root(s: Tensor) -> Tensor:
-        pos = s > 0
-        return torch.where(pos, torch.where(pos, s, torch.ones_like(s)) ** (1.0 / p), torch.zeros_like(s))
-
-    return 0.5 * (root(powed.sum(-1)).sum() + root(powed.sum(-2)).sum())
+    powed = _safe_pow(A.abs(), p)
+    return 0.5 * (_safe_pow(powed.sum(-1), 1.0 / p).sum() + _safe_pow(powed.sum(-2), 1.0 / p).sum())
 
 
 class SparseEdges(nn.Module):

@@ -233,6 +233,16 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
         self.gate = SparseGate(num_features, signed=signed, rgf=rgf, rgf_alpha=rgf_alpha, dtype=dtype, device=device)
         self.shift = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype or torch.get_default_dtype()))
 
+    def reset_parameters(self) -> None:
+        """Running statistics as in ``BatchNorm2d``, the gate at the paper's
+        initialisation (every gate 0.5, :meth:`SparseGate.reset_parameters`)
+        and the shift ``b`` at 0."""
+        super().reset_parameters()  # the running statistics (no affine part)
+        if "gate" in self._modules:  # BatchNorm2d.__init__ calls this before gate and shift exist
+            self.gate.reset_parameters()
+            with torch.no_grad():
+                self.shift.zero_()
+
     def forward(self, x: Tensor) -> Tensor:
         xhat = super().forward(x)
         a = self.gate()
@@ -278,6 +288,10 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
     an ``nn.BatchNorm2d``, returns its replacement (``model`` is left as it is,
     as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does), so use the return
     value. A BatchNorm2d registered under several names gets one replacement.
+    Each replacement takes the dtype and device of its BatchNorm2d's tensors; one
+    that holds none (``affine=False, track_running_stats=False``) takes those of
+    the first floating-point parameter or buffer of ``model``, or the defaults
+    (``torch.get_default_dtype()``, default device) when ``model`` has none.
 
     ``preserve=True`` keeps the function of a trained model: running statistics
     are copied and the gate is solved for :math:`a = w` (the BN weight) at the
@@ -292,8 +306,12 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
     if signed is False and preserve:
         raise ValueError("preserve=True needs signed gates (non-negative gates sum to 1 and cannot equal BN weights)")
 
+    # a BatchNorm2d without tensors follows the model's (a neighbouring) tensors
+    neighbour = next((t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()), None)
+
     def convert(child: nn.BatchNorm2d) -> "SparseBatchNorm2d":
         p = child.running_mean if child.running_mean is not None else child.weight
+        p = p if p is not None else neighbour
         sbn = SparseBatchNorm2d(child.num_features, eps=child.eps, momentum=child.momentum,
                                 track_running_stats=child.track_running_stats, signed=signed, rgf=rgf,
                                 rgf_alpha=rgf_alpha, device=p.device if p is not None else None,
@@ -338,18 +356,30 @@ def l1_regularizer(gates: TensorOrList) -> Tensor:
 
 
 def _safe_l2(v: Tensor, dim: int = -1) -> Tensor:
-    # ||v||_2 whose gradient at v = 0 is 0 instead of NaN (the paper's safe_l2_norm)
+    # ||v||_2 whose gradient at v = 0 is 0 instead of NaN (the paper's safe_l2_norm);
+    # only exact zeros take the safe branch, so a NaN entry gives a NaN norm
     sq = (v * v).sum(dim)
-    pos = sq > 0
-    return torch.where(pos, torch.sqrt(torch.where(pos, sq, torch.ones_like(sq))), torch.zeros_like(sq))
+    zero = sq == 0
+    return torch.where(zero, torch.zeros_like(sq), torch.sqrt(torch.where(zero, torch.ones_like(sq), sq)))
+
+
+def _safe_pow(x: Tensor, p: float) -> Tensor:
+    # x ** p for x >= 0 (or NaN) with value and gradient 0 at exact zeros (x ** p has an
+    # infinite slope there for p < 1); NaN stays NaN
+    zero = x == 0
+    return torch.where(zero, torch.zeros_like(x), torch.where(zero, torch.ones_like(x), x) ** p)
 
 
 def group_l21_regularizer(gates: TensorOrList, group_size: Optional[int] = None) -> Tensor:
     r""":math:`\sum_g \|a_g\|_2` (DS eq. 4): removes whole groups together.
 
     Each tensor is split along its last dimension into consecutive groups of
-    ``group_size`` gates (default: the whole tensor is one group). The norm's
-    gradient is 0, not NaN, at a zero group.
+    ``group_size`` gates. The default ``group_size`` is the length of the last
+    dimension: a 1-D tensor is one group, and each row of a 2-D tensor (each
+    slice ``g[..., :]`` of a tensor ``(..., n)``) is its own group; a 0-d
+    tensor is one group of one gate. A list holds tensors grouped separately.
+    The norm's gradient is 0, not NaN, at a zero group; a NaN gate gives a NaN
+    result (as ``torch.linalg.vector_norm``).
     """
     gs = _as_list(gates)
     if not gs:
@@ -370,8 +400,10 @@ def group_l21_regularizer(gates: TensorOrList, group_size: Optional[int] = None)
 
 def lp_regularizer(gates: TensorOrList, p: float = 0.5) -> Tensor:
     r""":math:`(\sum_i |a_i|^p)^{1/p}` with :math:`0 < p < 1` (DS eq. 14), summed
-    over the tensors (each tensor is one group; for normalised non-negative gates
-    the l1 norm is constant, so p < 1 is needed). The gradient is 0 at zero gates."""
+    over the tensors (each tensor, whatever its shape, is one group; for
+    normalised non-negative gates the l1 norm is constant, so p < 1 is needed).
+    The gradient is 0 at zero gates and at an all-zero group; a NaN gate gives a
+    NaN result."""
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p):
         raise ValueError(f"p must be a finite number in (0, 1), got {p!r}")
     if not 0.0 < p < 1.0:
@@ -383,12 +415,7 @@ def lp_regularizer(gates: TensorOrList, p: float = 0.5) -> Tensor:
     for g in gs:
         if g.numel() == 0:
             raise ValueError("lp_regularizer: empty group (a gate tensor has 0 entries)")
-        mag = g.abs()
-        nz = mag > 0
-        powed = torch.where(nz, torch.where(nz, mag, torch.ones_like(mag)) ** p, torch.zeros_like(mag)).sum()
-        pos = powed > 0
-        total = total + torch.where(pos, torch.where(pos, powed, torch.ones_like(powed)) ** (1.0 / p),
-                                    torch.zeros_like(powed))
+        total = total + _safe_pow(_safe_pow(g.abs(), p).sum(), 1.0 / p)
     return total
 
 
@@ -604,12 +631,21 @@ def remove_channels(model: nn.Module, example_input: Optional[Tensor] = None, at
     ``a``, bias ``a b``). Channels are kept wherever removal cannot be proven
     exact (no producing conv, an unknown module or shortcut, no reader). With
     ``example_input`` the outputs of the copy are checked against the original
-    (``RuntimeError`` on mismatch).
+    (``RuntimeError`` on mismatch), both in eval mode. ``model`` is not
+    changed: every module's own ``training`` flag is restored, also on error.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own flag, restored at the end
     model.eval()
+    try:
+        return _remove_channels(model, example_input, atol)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _remove_channels(model: nn.Module, example_input: Optional[Tensor], atol: float) -> nn.Module:
     new = copy.deepcopy(model)
     keep_of: dict = {}
     tensors: List[_Tensor] = []
@@ -671,13 +707,10 @@ def remove_channels(model: nn.Module, example_input: Optional[Tensor] = None, at
         try:
             out = new(example_input)
         except RuntimeError as e:
-            model.train(was_training)
             raise RuntimeError("remove_channels: the exported model does not run on example_input "
                                f"({e}); is the model's forward a sequential pass over its modules?") from e
         if ref.shape != out.shape or not torch.allclose(ref, out, atol=atol, rtol=1e-5):
-            model.train(was_training)
             raise RuntimeError("remove_channels: the exported model does not reproduce the original outputs "
                                f"(max diff {(ref - out).abs().max().item() if ref.shape == out.shape else 'shape'}); "
                                "is the model's forward a sequential pass over its modules?")
-    model.train(was_training)
     return new

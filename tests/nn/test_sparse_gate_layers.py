@@ -17,6 +17,7 @@ from prunopt.nn import (
     remove_channels,
     sparse_gates,
 )
+from prunopt.testing import devices
 from prunopt.train.models import SmallCNN
 
 
@@ -334,3 +335,76 @@ def test_convert_top_level_and_tied_batchnorms():
     out = convert_to_sparse_batchnorm(model, preserve=False)
     assert out is model and isinstance(model[1], SparseBatchNorm2d) and model[1] is model[4]
     assert sum(isinstance(m, SparseBatchNorm2d) for m in model.modules()) == 1
+
+
+def test_regularisers_propagate_nan_and_stay_zero_safe():
+    nan = float("nan")
+    g = torch.tensor([nan, 3.0, 4.0])
+    # as torch.linalg.vector_norm and l1_regularizer: a NaN gate is not read as 0
+    assert torch.isnan(l1_regularizer(g))
+    assert torch.isnan(group_l21_regularizer(g))
+    assert torch.isnan(group_l21_regularizer(torch.tensor([0.0, 0.0, nan, 1.0]), group_size=2))
+    assert torch.isnan(lp_regularizer(g, 0.5))
+    assert torch.isnan(lp_regularizer([torch.ones(2), torch.tensor([nan])], 0.5))
+    # exact zeros still give value and gradient 0
+    z = torch.tensor([0.0, 0.0, 3.0, -4.0], requires_grad=True)
+    (gr,) = torch.autograd.grad(group_l21_regularizer(z, 2) + lp_regularizer(z, 0.5)
+                                + lp_regularizer(z[:2], 0.5), z)
+    assert torch.isfinite(gr).all() and gr[0] == 0 and gr[1] == 0
+
+
+def test_group_l21_default_groups_are_rows():
+    # the default group is the last dimension: each row of a 2-D tensor is a group
+    g = torch.tensor([[3.0, 4.0], [0.0, 0.0], [6.0, -8.0]])
+    assert group_l21_regularizer(g).item() == 15.0
+    torch.testing.assert_close(group_l21_regularizer(g), torch.linalg.vector_norm(g, dim=-1).sum())
+    assert group_l21_regularizer(torch.tensor([3.0, 4.0])).item() == 5.0  # 1-D: one group
+    assert group_l21_regularizer(torch.tensor(-2.0)).item() == 2.0  # 0-d: one gate
+    # lp is different: each tensor, whatever its shape, is one group
+    torch.testing.assert_close(lp_regularizer(g, 0.5), lp_regularizer(g.flatten(), 0.5))
+
+
+def test_sparse_batchnorm_reset_parameters_resets_gate_shift_and_statistics():
+    sbn = SparseBatchNorm2d(5)
+    sbn(torch.randn(4, 5, 3, 3) * 3 + 1)
+    with torch.no_grad():
+        sbn.shift.normal_()
+        sbn.gate.alpha.uniform_(-2, 2)
+        sbn.gate.beta.fill_(1.0)
+    sbn.reset_parameters()
+    assert torch.equal(sbn.shift, torch.zeros(5))
+    assert torch.equal(sbn.gates(), torch.full((5,), 0.5))
+    assert torch.equal(sbn.running_mean, torch.zeros(5)) and torch.equal(sbn.running_var, torch.ones(5))
+    assert sbn.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("device", devices())
+def test_convert_stateless_batchnorm_takes_the_models_dtype_and_device(device):
+    bn = nn.BatchNorm2d(3, affine=False, track_running_stats=False)  # holds no tensor
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), bn).to(device=device, dtype=torch.float64)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64, device=device)
+    ref = model(x)
+    convert_to_sparse_batchnorm(model)
+    sbn = model[1]
+    assert isinstance(sbn, SparseBatchNorm2d)
+    for t in (sbn.shift, sbn.gate.alpha, sbn.gate.beta):
+        assert t.dtype == torch.float64 and t.device.type == device
+    torch.testing.assert_close(model(x), ref)
+    # nothing to follow: the defaults
+    alone = convert_to_sparse_batchnorm(nn.BatchNorm2d(3, affine=False, track_running_stats=False))
+    assert alone.shift.dtype == torch.get_default_dtype()
+
+
+def test_remove_channels_restores_each_modules_training_flag():
+    model = _sparse_cnn(0.5)
+    model.train()
+    model.features[1].eval()  # e.g. a BN kept in eval mode during fine-tuning
+    model.classifier.eval()
+    flags = [m.training for m in model.modules()]
+    x = torch.rand(2, 1, 8, 8)
+    small = remove_channels(model, example_input=x)
+    assert [m.training for m in model.modules()] == flags
+    assert not any(m.training for m in small.modules())
+    with pytest.raises(RuntimeError):  # also when it raises
+        remove_channels(model, example_input=torch.rand(2, 3, 8, 8))
+    assert [m.training for m in model.modules()] == flags

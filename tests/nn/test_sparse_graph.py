@@ -239,3 +239,15 @@ def test_graph_layers_under_torch_compile():
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
     for u, v in zip(gc, ge):
         torch.testing.assert_close(u, v, atol=1e-6, rtol=1e-4)
+
+
+def test_adjacency_regularizer_propagates_nan():
+    nan = float("nan")
+    assert torch.isnan(adjacency_regularizer(torch.tensor([[nan, 1.0], [1.0, 1.0]])))
+    assert torch.isnan(adjacency_regularizer(torch.tensor([[[0.0, 1.0], [1.0, 0.0]], [[1.0, 1.0], [1.0, nan]]])))
+    # an all-zero row and column stay zero-safe
+    A = torch.tensor([[0.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    r = adjacency_regularizer(A, 0.5)
+    assert r.item() == 1.0
+    (g,) = torch.autograd.grad(r, A)
+    assert torch.isfinite(g).all() and g[0, 0] == 0 and g[0, 1] == 0 and g[1, 0] == 0

@@ -1,4 +1,8 @@
 """TwoTemperatureMask and its utilities (SPEC.md §5)."""
+import copy
+import math
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +164,146 @@ def test_mask_under_torch_compile():
     torch.testing.assert_close(compiled, eager)
     for u, v in zip(gc, ge):
         torch.testing.assert_close(u, v, atol=1e-6, rtol=1e-4)
+
+
+def _v(m):
+    return torch.sigmoid(m.t_l * m.w.detach())
+
+
+def test_wrap_keeps_tied_layers_tied_and_wraps_a_bare_layer():
+    torch.manual_seed(4)
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    assert wrap_two_temperature_masks(model) is model
+    # one wrapper under both names: the second use is masked too, with the same w
+    assert isinstance(model[0], TwoTemperatureMask) and model[2] is model[0] and model[0].layer is lin
+    assert len(two_temperature_masks(model)) == 1
+    x = torch.randn(3, 4)
+    wm = lin.weight * _v(model[0])
+    ref = nn.functional.linear(torch.relu(nn.functional.linear(x, wm, lin.bias)), wm, lin.bias)
+    torch.testing.assert_close(model(x), ref)
+    # wrapping again changes nothing (no mask of a mask)
+    first = model[0]
+    assert wrap_two_temperature_masks(model) is model and model[0] is first and first.layer is lin
+    # a bare layer: its wrapper comes back
+    bare = nn.Linear(3, 2)
+    wrapped = wrap_two_temperature_masks(bare)
+    assert isinstance(wrapped, TwoTemperatureMask) and wrapped.layer is bare
+    torch.testing.assert_close(wrapped(x[:, :3]), nn.functional.linear(x[:, :3], bare.weight * _v(wrapped), bare.bias))
+    assert wrap_two_temperature_masks(wrapped) is wrapped and wrapped.layer is bare
+    conv = nn.Conv2d(2, 3, 1)
+    assert isinstance(wrap_two_temperature_masks(conv), TwoTemperatureMask)
+    # a bare use of a layer that is wrapped elsewhere gets the existing wrapper
+    inner = nn.Linear(3, 3)
+    mask = TwoTemperatureMask(inner)
+    mixed = wrap_two_temperature_masks(nn.Sequential(mask, inner))
+    assert mixed[1] is mask and mask.layer is inner
+
+
+def test_wrap_exact_types_only_and_transformer_runs():
+    torch.manual_seed(5)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    ref = copy.deepcopy(layer)
+    wrap_two_temperature_masks(layer)
+    # MultiheadAttention reads out_proj.weight itself: its Linear subclass is left alone
+    assert type(layer.self_attn.out_proj) is type(ref.self_attn.out_proj)
+    assert isinstance(layer.linear1, TwoTemperatureMask) and isinstance(layer.linear2, TwoTemperatureMask)
+
+    class MyLinear(nn.Linear):
+        pass
+
+    sub = nn.Sequential(MyLinear(2, 2))
+    wrap_two_temperature_masks(sub)
+    assert type(sub[0]) is MyLinear
+    with torch.no_grad():
+        ref.linear1.weight.mul_(_v(layer.linear1))
+        ref.linear2.weight.mul_(_v(layer.linear2))
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(layer(x), ref(x))
+    layer.linear1.w.detach()[0].fill_(-1.0)  # a pruned row: the masks matter
+    with torch.no_grad():
+        ref.linear1.weight[0] = 0.0
+    layer.eval(), ref.eval()
+    torch.testing.assert_close(layer(x), ref(x), atol=1e-5, rtol=1e-5)  # reads linear1.weight directly
+    with torch.no_grad():  # the inference fast path, with the masked weights
+        torch.testing.assert_close(layer(x), ref(x), atol=1e-5, rtol=1e-5)
+    layer(x).sum().backward()
+    assert layer.linear1.w.grad is not None and layer.linear1.layer.weight.grad is not None
+
+
+def test_wrap_checks_arguments_before_changing_the_model():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="t_l"):
+        wrap_two_temperature_masks(model, t_l=0.0)
+    with pytest.raises(ValueError, match="init_scale"):
+        wrap_two_temperature_masks(model, init_scale=-1.0)
+    with pytest.raises(TypeError, match="init_scale"):
+        wrap_two_temperature_masks(model, init_scale="0.1")
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(ValueError, match="t_s"):  # checked even without a layer to wrap
+        wrap_two_temperature_masks(nn.ReLU(), t_s=float("nan"))
+    with pytest.raises(TypeError, match="model"):
+        wrap_two_temperature_masks("model")
+
+
+def test_load_state_dict_keeps_frozen_and_requires_grad_consistent():
+    torch.manual_seed(6)
+    x = torch.randn(2, 3)
+    live_sd = TwoTemperatureMask(nn.Linear(3, 3)).state_dict()
+    frozen = TwoTemperatureMask(nn.Linear(3, 3))
+    frozen.freeze()
+    frozen_sd = frozen.state_dict()
+    m = TwoTemperatureMask(nn.Linear(3, 3))
+    m.freeze()
+    m.load_state_dict(live_sd)  # an unfrozen checkpoint: w trains again
+    assert not bool(m.frozen) and m.w.requires_grad
+    m(x).sum().backward()
+    assert m.w.grad is not None and m.w.grad.abs().sum() > 0
+    m.load_state_dict(frozen_sd)  # a frozen one: binary mask, no gradient for w
+    assert bool(m.frozen) and not m.w.requires_grad
+    torch.testing.assert_close(m.mask(), (frozen_sd["w"] > 0).float())
+    # through a model (prefixed keys), and with strict=False and no "frozen" key: unchanged
+    model = wrap_two_temperature_masks(nn.Sequential(nn.Linear(3, 3)))
+    model.load_state_dict({"0." + k: v for k, v in frozen_sd.items()})
+    assert bool(model[0].frozen) and not model[0].w.requires_grad
+    model.load_state_dict({"0.w": live_sd["w"]}, strict=False)
+    assert bool(model[0].frozen) and not model[0].w.requires_grad
+
+
+def test_mask_on_the_meta_device():
+    with torch.device("meta"):
+        m = TwoTemperatureMask(nn.Linear(3, 4))
+    x = torch.empty(2, 3, device="meta")
+    out = m(x)
+    assert out.is_meta and out.shape == (2, 4) and mask_regularizer([m], 1.0).is_meta
+    m.freeze()
+    assert m(x).shape == (2, 4) and mask_regularizer([m], 1.0).item() == 0.0
+    # loading a checkpoint into a meta model (assign=True materialises it)
+    src = TwoTemperatureMask(nn.Linear(3, 4))
+    src.freeze()
+    with torch.device("meta"):
+        meta = TwoTemperatureMask(nn.Linear(3, 4))
+    meta.load_state_dict(src.state_dict(), strict=False, assign=True)
+    assert bool(meta.frozen) and not meta.w.requires_grad
+    with torch.device("meta"):
+        meta = TwoTemperatureMask(nn.Linear(3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that copying into meta tensors is a no-op
+        meta.load_state_dict(src.state_dict())  # the copy is a no-op on meta, but the frozen flag is known
+    assert not meta.w.requires_grad and meta(x).is_meta
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_reshuffle_with_an_empty_layer():
+    torch.manual_seed(7)
+    masks = two_temperature_masks(wrap_two_temperature_masks(nn.Sequential(nn.Linear(0, 3), nn.Linear(3, 4))))
+    dens = layer_densities(masks)
+    assert math.isnan(dens[0]) and dens[1] == 1.0  # no weights: no density
+    state = _frozen_state(masks)
+    with pytest.raises(ValueError, match=r"densities must be in \[0, 1\], got nan \(entry 1\)"):
+        reshuffle_masks(masks, [float("nan"), float("nan")])
+    assert _same_state(masks, state)
+    reshuffle_masks(masks, generator=torch.Generator().manual_seed(0))
+    assert all(bool(m.frozen) for m in masks) and layer_densities(masks)[1] == 1.0
+    reshuffle_masks(masks, [0.0, 0.5])
+    assert layer_densities(masks)[1] == 0.5
