@@ -29,6 +29,7 @@ accumulators).
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -117,21 +118,21 @@ class PrunableTensor:
     @property
     def spatial_numel(self) -> int:
         """Number of weights of the equivalent standard layer, ``D_l`` in eq. 9:
-        ``C_out * C_in/groups * K * K`` for an FB layer, ``numel`` otherwise."""
-        p = self.parameter
-        if not self.interspace:
-            return p.numel()
-        k = self.module.basis.weight.shape[-1]
-        return p.shape[0] * p.shape[1] * k * k
+        ``C_out * C_in/groups * kh * kw`` for an FB layer (whatever its
+        dictionary size ``N``), ``numel`` otherwise."""
+        return math.prod(self.spatial_shape)
 
     @property
     def spatial_shape(self) -> tuple:
-        """Shape of the equivalent standard weight (used by ERK, eq. A.76)."""
+        """Shape of the equivalent standard weight, ``(C_out, C_in/groups, kh, kw)``
+        for an FB layer (the basis elements are ``kh x kw``, also for
+        non-square kernels), the parameter's shape otherwise (used by ERK,
+        eq. A.76)."""
         p = self.parameter
         if not self.interspace:
             return tuple(p.shape)
-        k = self.module.basis.weight.shape[-1]
-        return (p.shape[0], p.shape[1], k, k)
+        kh, kw = self.module.basis.weight.shape[-2:]
+        return (p.shape[0], p.shape[1], int(kh), int(kw))
 
 
 def _names_match(pt: PrunableTensor, names: Iterable[str]) -> bool:
@@ -202,6 +203,23 @@ class Masker:
         masker.remove()       # plain model with zeros
 
     ``state_dict()`` holds the masks keyed by tensor FQN (no module references).
+
+    **Tied weights.**  Layers that hold the same ``Parameter`` (e.g.
+    ``b.weight = a.weight``) get one mask: the tensor is listed once, under the
+    first name in module order, and the later names (``aliases``, alias ->
+    first name) share its mask buffer (the same :class:`WeightMask` for
+    Conv2d/Linear, the same ``mask`` buffer for FBConv2d).  Scores, counts,
+    :meth:`sparsity`, the methods and :meth:`remove` therefore see one tensor;
+    an alias name is accepted wherever a layer name is, and means the tied
+    tensor.  Tied layers that already carry different masks are a
+    ``ValueError``.
+
+    **Errors.**  Every selected layer is checked before any is changed: a
+    weight that is uninitialized (lazy modules), computed by a hook
+    (``torch.nn.utils.prune``, the old ``weight_norm``/``spectral_norm``) or
+    already parametrized by anything but a :class:`WeightMask` (e.g.
+    ``torch.nn.utils.parametrizations.weight_norm``) is a ``ValueError`` naming
+    the layer, and the model is left untouched.
     """
 
     def __init__(
@@ -213,17 +231,26 @@ class Masker:
         zero_state_every_step: bool = True,
     ):
         self.model = model
-        self.tensors = prunable_tensors(model, include, exclude)
-        if not self.tensors:
+        found = prunable_tensors(model, include, exclude)
+        if not found:
             raise ValueError("model has no prunable tensors (Conv2d/Linear weights or FBConv2d coefficients)")
         self.optimizers: List[torch.optim.Optimizer] = []
         if optimizers is not None:
             self.attach(optimizers)
         self.zero_state_every_step = bool(zero_state_every_step)
-        for pt in self.tensors.values():
-            if pt.mask is None:
-                w = pt.module.weight
-                parametrize.register_parametrization(pt.module, "weight", WeightMask(torch.ones_like(w)), unsafe=True)
+        # everything is checked before any layer is changed: an error leaves the model as it was
+        for pt in found.values():
+            _check_maskable(pt)
+        groups = _tie_groups(found)
+        for group in groups:
+            _check_tie(group)
+        self.tensors: "OrderedDict[str, PrunableTensor]" = OrderedDict((g[0].name, g[0]) for g in groups)
+        #: alias tensor FQN -> FQN of the tied tensor whose mask it shares
+        self.aliases: "OrderedDict[str, str]" = OrderedDict((a.name, g[0].name) for g in groups for a in g[1:])
+        self._alias_tensors: "OrderedDict[str, PrunableTensor]" = OrderedDict(
+            (a.name, a) for g in groups for a in g[1:]
+        )
+        _install_masks(groups)
 
     # ----------------------------------------------------------------- access
     def attach(self, optimizers) -> None:
@@ -247,9 +274,14 @@ class Masker:
     def _check_name(self, name: str) -> str:
         if name in self.tensors:
             return name
+        if name in self.aliases:
+            return self.aliases[name]
         for pt in self.tensors.values():
             if pt.module_name == name:
                 return pt.name
+        for alias, pt in self._alias_tensors.items():
+            if pt.module_name == name:
+                return self.aliases[alias]
         raise ValueError(f"unknown layer name {name!r}; masked tensors are {list(self.tensors)}")
 
     def parameters(self) -> List[Tensor]:
@@ -265,13 +297,18 @@ class Masker:
         return OrderedDict((n, int(pt.mask.count_nonzero())) for n, pt in self.tensors.items())
 
     def density(self) -> float:
-        """Fraction of prunable entries that are kept, ``||mu||_0 / d``."""
-        kept = sum(self.counts().values())
+        """Fraction of prunable entries that are kept, ``||mu||_0 / d`` (a tied
+        tensor counts once).  ``ValueError`` when the masked tensors have no
+        entries (``d = 0``, e.g. only ``nn.Linear(0, 4)``): the rate is undefined."""
         total = sum(pt.parameter.numel() for pt in self.tensors.values())
-        return kept / total
+        if total == 0:
+            raise ValueError(f"the masked tensors {list(self.tensors)} have no prunable entries (d = 0): "
+                             "density and sparsity are undefined")
+        return sum(self.counts().values()) / total
 
     def sparsity(self) -> float:
-        """Pruning rate ``p = 1 - ||mu||_0 / d`` over the masked tensors."""
+        """Pruning rate ``p = 1 - ||mu||_0 / d`` over the masked tensors
+        (``ValueError`` when ``d = 0``, see :meth:`density`)."""
         return 1.0 - self.density()
 
     # --------------------------------------------------------------- updating
@@ -283,12 +320,18 @@ class Masker:
         of the parameters (and, with ``zero_state``, of every per-element
         optimizer state tensor) are zeroed.  Entries that become unpruned keep
         their current value, which is 0 (regrowth starts at zero, paper App.
-        G.3)."""
+        G.3).  Naming one tensor twice (e.g. its module and tensor FQN, or two
+        tied layers) is a ``ValueError``."""
         if not isinstance(masks, Mapping):
             raise TypeError(f"masks must be a mapping of tensor names to tensors, got {type(masks).__name__}")
         staged = []
+        named: Dict[str, str] = {}
         for name, m in masks.items():
             key = self._check_name(name)
+            if key in named:
+                raise ValueError(f"masks names {named[key]!r} and {name!r}, which are the same tensor {key!r} "
+                                 "(tied layers share one mask): give it once")
+            named[key] = name
             pt = self.tensors[key]
             if not isinstance(m, Tensor):
                 raise TypeError(f"masks[{name!r}] must be a tensor, got {type(m).__name__}")
@@ -392,8 +435,106 @@ class Masker:
         """Bake this masker's masks in and leave a plain model (see
         :func:`remove_masks`).  Only the masker's own tensors are touched
         (``to_conv2d`` replaces only its ``FBConv2d`` layers); every layer is
-        checked before any is changed.  Returns the model."""
-        return _bake_masks(self.model, list(self.tensors.values()), to_conv2d)
+        checked before any is changed.  Tied layers (:attr:`aliases`) are baked
+        too and still share their Parameter after (with ``to_conv2d`` each tied
+        FBConv2d becomes its own ``nn.Conv2d``).  Returns the model."""
+        return _bake_masks(self.model, list(self.tensors.values()) + list(self._alias_tensors.values()), to_conv2d)
+
+
+def _weight_masks(module: nn.Module) -> List[WeightMask]:
+    """The :class:`WeightMask` parametrizations of ``module.weight``."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return []
+    return [p for p in module.parametrizations.weight if isinstance(p, WeightMask)]
+
+
+def _check_maskable(pt: PrunableTensor) -> None:
+    """``ValueError`` naming the layer when ``pt`` cannot carry a prunopt mask."""
+    m, attr = pt.module, pt.attr
+    if parametrize.is_parametrized(m, attr):
+        plist = list(getattr(m.parametrizations, attr))
+        if pt.interspace or len(plist) != 1 or not isinstance(plist[0], WeightMask):
+            kinds = [type(p).__name__ for p in plist]
+            raise ValueError(
+                f"layer {pt.name!r} is already parametrized by {kinds} (e.g. "
+                "torch.nn.utils.parametrizations.weight_norm); a Masker masks plain tensors only: remove the "
+                "parametrization first or exclude the layer"
+            )
+        return  # a WeightMask of an earlier Masker: reused
+    p = m._parameters.get(attr)
+    if not isinstance(p, nn.Parameter):
+        raise ValueError(
+            f"layer {pt.name!r} is not a Parameter of its module but computed by a forward pre-hook "
+            "(torch.nn.utils.prune, torch.nn.utils.weight_norm or spectral_norm): remove it first (e.g. "
+            "torch.nn.utils.prune.remove) or exclude the layer"
+        )
+    if nn.parameter.is_lazy(p):
+        raise ValueError(f"layer {pt.name!r} is uninitialized (a lazy module): run a forward pass before "
+                         "building the Masker, or exclude the layer")
+
+
+def _tie_groups(found: Mapping[str, PrunableTensor]) -> List[List[PrunableTensor]]:
+    """Group the tensors by Parameter identity, in module order: the first
+    tensor of a group owns the mask, the others (tied weights) share it."""
+    groups: Dict[int, List[PrunableTensor]] = OrderedDict()
+    for pt in found.values():
+        groups.setdefault(id(pt.parameter), []).append(pt)
+    return list(groups.values())
+
+
+def _check_tie(group: List[PrunableTensor]) -> None:
+    """``ValueError`` when tied layers cannot share one mask."""
+    if len(group) == 1:
+        return
+    names = [pt.name for pt in group]
+    if len({pt.interspace for pt in group}) != 1:
+        raise ValueError(f"tied layers {names} mix FB coefficients and spatial weights")
+    first = group[0]
+    if first.interspace:
+        for pt in group[1:]:
+            a, b = first.module.mask, pt.module.mask
+            same = a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+            if not same:
+                raise ValueError(f"tied layers {first.name!r} and {pt.name!r} share their coefficients but have "
+                                 "different masks; a tied tensor has one mask: make the masks equal first")
+    else:
+        existing = {id(wm) for pt in group for wm in _weight_masks(pt.module)}
+        if len(existing) > 1:
+            raise ValueError(f"tied layers {names} share one Parameter but carry different WeightMasks (from earlier "
+                             "maskers): call remove_masks(model) first")
+
+
+def _install_masks(groups: List[List[PrunableTensor]]) -> None:
+    """Give every group one mask (all ones unless one exists); undone on an error."""
+    done = []
+    try:
+        for group in groups:
+            first = group[0]
+            if first.interspace:  # FBConv2d computes with its own mask buffer: share the first's
+                for pt in group[1:]:
+                    if pt.module.mask is not first.module.mask:
+                        done.append((pt.module, pt.module.mask))
+                        pt.module.mask = first.module.mask
+                continue
+            wms = [wm for pt in group for wm in _weight_masks(pt.module)]
+            wm = wms[0] if wms else WeightMask(torch.ones_like(first.parameter))
+            for pt in group:
+                if not _weight_masks(pt.module):
+                    parametrize.register_parametrization(pt.module, "weight", wm, unsafe=True)
+                    done.append((pt.module, None))
+    except BaseException:
+        for module, old_mask in reversed(done):
+            if old_mask is None:
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            else:
+                module.mask = old_mask
+        raise
+
+
+def _distinct_tensors(tensors: Mapping[str, PrunableTensor]) -> "OrderedDict[str, PrunableTensor]":
+    """``tensors`` with tied duplicates dropped: one entry per distinct
+    Parameter, under its first name (the :class:`Masker`'s convention)."""
+    return OrderedDict((g[0].name, g[0]) for g in _tie_groups(tensors))
 
 
 def remove_masks(model: nn.Module, to_conv2d: bool = False) -> nn.Module:

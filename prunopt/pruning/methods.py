@@ -7,7 +7,8 @@ call ``method.step()`` once after every ``optimizer.step()``.  ``step()``
 re-imposes the masks (parameters and optimizer state, see
 :class:`~prunopt.pruning.Masker`), advances ``last_step`` and changes the masks
 when the method's schedule says so.  ``state_dict()`` / ``load_state_dict()``
-hold the counters (the masks are in the masker's state dict).
+hold the counters (and, for :class:`LotteryTicket`, the ``t0`` rewind
+snapshot); the masks are in the masker's state dict.
 
 * :class:`PruningAtInit` — random, SNIP, GraSP, SynFlow (App. G.4), one shot
   (SynFlow: 100 rounds with A.81).
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prunopt.pruning.masks import Masker
-from prunopt.pruning.scores import grasp_scores, magnitude_scores, random_scores, snip_scores, synflow_scores
+from prunopt.pruning.scores import _batches, grasp_scores, magnitude_scores, random_scores, snip_scores, synflow_scores
 from prunopt.pruning.selection import (
     _top_k_mask,
     check_sparsity,
@@ -99,19 +100,38 @@ class PruningMethod:
 
 
 # ------------------------------------------------------------- one-shot tools
+def _select_keeping_pruned(scores: "OrderedDict[str, Tensor]", masks: "OrderedDict[str, Tensor]", p: float,
+                           scope: str) -> "OrderedDict[str, Tensor]":
+    """Masks keeping the ``floor((1-p) d)`` largest scores (globally or per layer)
+    among the entries kept by ``masks``; pruned entries stay pruned.  Pruned
+    entries score ``-inf``, so they rank last (selection's tie rule); the ones
+    the count would still reach are dropped by ``& masks``: a model already
+    sparser than ``p`` (overall, or in a layer for ``"layerwise"``) keeps its
+    masks."""
+    scores = OrderedDict((n, s.masked_fill(~masks[n], float("-inf"))) for n, s in scores.items())
+    new = global_masks(scores, p) if scope == "global" else layerwise_masks(scores, p)
+    return OrderedDict((n, m & masks[n].to(m.device)) for n, m in new.items())
+
+
 def magnitude_prune(masker: Masker, sparsity: float, scope: str = "global", keep_pruned: bool = True) -> None:
     """Magnitude pruning (A.41/A.42): keep the ``floor((1-p) d)`` largest ``|w|``
-    globally (A.39-A.40) or per layer (``scope="layerwise"``).  With
-    ``keep_pruned`` already-pruned entries score ``-inf`` so they stay pruned."""
+    globally (A.39-A.40) or per layer (``scope="layerwise"``).
+
+    With ``keep_pruned`` (the default) every already-pruned entry stays pruned
+    and only kept entries compete, so the new sparsity is in effect
+    ``max(current, p)`` (per layer with ``"layerwise"``): pruning an 80 %-sparse
+    model to ``p = 0.5`` changes nothing.  With ``keep_pruned=False`` the masks
+    are recomputed from ``|w * mu|`` over all entries (pruned entries score 0,
+    ties favour the earlier entry) and pruned entries may come back (at 0)."""
     _check_masker(masker)
     p = check_sparsity(sparsity)
     if scope not in ("global", "layerwise"):
         raise ValueError(f"scope must be 'global' or 'layerwise', got {scope!r}")
     scores = magnitude_scores(masker)
     if keep_pruned:
-        masks = masker.masks()
-        scores = OrderedDict((n, s.masked_fill(~masks[n], float("-inf"))) for n, s in scores.items())
-    new = global_masks(scores, p) if scope == "global" else layerwise_masks(scores, p)
+        new = _select_keeping_pruned(scores, masker.masks(), p, scope)
+    else:
+        new = global_masks(scores, p) if scope == "global" else layerwise_masks(scores, p)
     masker.set_masks(new)
 
 
@@ -119,7 +139,8 @@ def synflow_prune(masker: Masker, sparsity: float, example_input, rounds: int = 
     """Iterative SynFlow (App. G.4): for ``k = 1..rounds`` compute the SynFlow
     scores of the currently masked network and keep the largest so that the
     pruning rate is ``p_k = 1 - (1 - p)^(k / rounds)`` (A.81); pruned entries
-    are never revived."""
+    are never revived (a masker already sparser than ``p_k`` keeps its masks
+    in that round)."""
     _check_masker(masker)
     p = check_sparsity(sparsity)
     _check_int(rounds, "rounds", 1)
@@ -128,9 +149,7 @@ def synflow_prune(masker: Masker, sparsity: float, example_input, rounds: int = 
         if k == rounds:
             p_k = p
         scores = synflow_scores(masker, example_input)
-        masks = masker.masks()
-        scores = OrderedDict((n, s.masked_fill(~masks[n], float("-inf"))) for n, s in scores.items())
-        masker.set_masks(global_masks(scores, p_k))
+        masker.set_masks(_select_keeping_pruned(scores, masker.masks(), p_k, "global"))
 
 
 class PruningAtInit(PruningMethod):
@@ -141,7 +160,8 @@ class PruningAtInit(PruningMethod):
     ``"grasp"`` (F.6, ranked by ``-S``, i.e. keeping the largest ``(H g) w`` as
     GraSP's code does) or ``"synflow"`` (F.4, iterative with A.81).  SNIP and
     GraSP need ``batches`` (BatchNorm in train mode, the paper uses 100 batches
-    on CIFAR-10); SynFlow needs ``example_input``.
+    on CIFAR-10; a single ``(inputs, targets)`` pair is one batch); SynFlow
+    needs ``example_input``, or takes the inputs of the first batch.
 
     Example::
 
@@ -164,13 +184,14 @@ class PruningAtInit(PruningMethod):
         self.loss_fn = loss_fn
 
     def prune(self, batches=None, example_input=None) -> None:
-        """Compute the scores and set the masks (one shot; SynFlow iterative)."""
+        """Compute the scores and set the masks (one shot; SynFlow iterative).
+        Works under ``torch.no_grad()`` (the scores enable autograd themselves)."""
         m = self.masker
         if self.score == "synflow":
             if example_input is None:
                 if batches is None:
                     raise ValueError("synflow needs example_input (or batches to take the input shape from)")
-                example_input = next(iter(batches))[0]
+                example_input = _batches(batches)[0][0]  # the inputs of the first (inputs, targets) batch
             synflow_prune(m, self.sparsity, example_input, self.synflow_rounds)
             return
         if self.score in ("snip", "grasp") and batches is None:
@@ -206,8 +227,16 @@ def gmp_sparsity(t: int, sparsity: float, t0: int, t1: int) -> float:
     """Cubic schedule (A.82): 0 for ``t < t0``;
     ``p (1 - (1 - (t - t0)/(t1 - t0))^3)`` for ``t0 <= t <= t1``; ``p`` for
     ``t > t1`` (A.82 prints 1 there, which contradicts "p is the final pruning
-    rate"; Zhu & Gupta's schedule holds ``p``)."""
+    rate"; Zhu & Gupta's schedule holds ``p``).
+
+    ``t``, ``t0`` and ``t1`` are ints >= 0 with ``t1 >= t0``; otherwise
+    ``TypeError``/``ValueError`` naming the argument."""
     p = check_sparsity(sparsity)
+    _check_int(t, "t", 0)
+    _check_int(t0, "t0", 0)
+    _check_int(t1, "t1", 0)
+    if t1 < t0:
+        raise ValueError(f"t1 must be >= t0, got t0={t0}, t1={t1}")
     if t < t0:
         return 0.0
     if t > t1:
@@ -224,7 +253,11 @@ class GradualMagnitudePruning(PruningMethod):
     ``p(t)`` of A.82 (:func:`gmp_sparsity`) is imposed by magnitude: the
     ``floor((1 - p(t)) d)`` largest ``|w|`` are kept, globally (the paper's
     reading: "the ``p(kN) d`` weights with smallest magnitude") or per layer.
-    Pruned weights stay pruned."""
+    Pruned weights stay pruned (:func:`magnitude_prune` with ``keep_pruned``):
+    the schedule starts from the masker's real sparsity at construction
+    (``current_sparsity``; for ``"layerwise"`` the smallest layer sparsity), so
+    a masker already sparser than ``p(t)`` is left alone until ``p(t)``
+    exceeds it.  ``current_sparsity`` is the rate reached so far."""
 
     def __init__(self, masker: Masker, sparsity: float, t0: int, t1: int, interval: int, scope: str = "global"):
         super().__init__(masker)
@@ -238,9 +271,18 @@ class GradualMagnitudePruning(PruningMethod):
         if scope not in ("global", "layerwise"):
             raise ValueError(f"scope must be 'global' or 'layerwise', got {scope!r}")
         self.scope = scope
-        self.current_sparsity = 0.0
+        self.current_sparsity = self._reached()
 
     _state_keys = ("last_step", "current_sparsity")
+
+    def _reached(self) -> float:
+        """The rate the masker already has (per layer: the least sparse layer)."""
+        m = self.masker
+        if self.scope == "global":
+            return m.sparsity() if any(pt.parameter.numel() for pt in m.tensors.values()) else 0.0
+        counts = m.counts()
+        rates = [1.0 - counts[n] / pt.parameter.numel() for n, pt in m.tensors.items() if pt.parameter.numel()]
+        return min(rates, default=0.0)
 
     def step(self) -> None:
         super().step()
@@ -248,8 +290,8 @@ class GradualMagnitudePruning(PruningMethod):
         if t % self.interval == 0 and t >= self.t0:
             p_t = gmp_sparsity(t, self.sparsity, self.t0, self.t1)
             if p_t > self.current_sparsity:
-                magnitude_prune(self.masker, p_t, self.scope)
-                self.current_sparsity = p_t
+                magnitude_prune(self.masker, p_t, self.scope, keep_pruned=True)
+                self.current_sparsity = max(p_t, self._reached())
 
 
 def lottery_ticket_trainings(sparsity: float, rate: float = 0.2) -> int:
@@ -315,6 +357,50 @@ class LotteryTicket(PruningMethod):
             self._save()
 
     _state_keys = ("last_step", "rounds_done")
+
+    def state_dict(self) -> Dict[str, object]:
+        """``last_step``, ``rounds_done`` and ``t0_state``: the rewind snapshot
+        ``{"model", "optimizer", "scheduler"}`` (the three state dicts at
+        ``t0``, tensors and plain containers that ``torch.save`` handles), or
+        ``None`` before ``t0``.  A run resumed from it (model, optimizer,
+        scheduler, masker and this state loaded into rebuilt objects) rewinds
+        to the same ``t0`` weights as an uninterrupted one."""
+        state = super().state_dict()
+        state["t0_state"] = copy.deepcopy(self._snapshot)
+        return state
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore :meth:`state_dict` (counters and the ``t0`` snapshot).
+        ``t0_state`` may be absent only for a state saved before ``t0`` (then
+        :meth:`step` takes the snapshot at ``t0``).  Everything is checked
+        before anything changes: a snapshot whose model keys differ from the
+        model's, or whose scheduler state does not match ``scheduler``, is a
+        ``ValueError``."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        missing = [k for k in self._state_keys if k not in state]
+        if missing:
+            raise ValueError(f"state dict lacks {missing}")
+        last_step = _check_int(state["last_step"], "state['last_step']", 0)
+        snap = state.get("t0_state")
+        if snap is None:
+            if last_step >= self.t0:
+                raise ValueError(f"state dict lacks 't0_state' (the rewind snapshot) but was saved at step "
+                                 f"{last_step} >= t0={self.t0}: the run cannot be rewound")
+        else:
+            if not isinstance(snap, dict) or set(snap) != {"model", "optimizer", "scheduler"}:
+                raise ValueError("state['t0_state'] must be a dict with keys 'model', 'optimizer', 'scheduler'")
+            want = set(self.masker.model.state_dict())
+            have = set(snap["model"])
+            if want != have:
+                raise ValueError(f"state['t0_state']['model'] does not fit the model: missing {sorted(want - have)}, "
+                                 f"unexpected {sorted(have - want)}")
+            if (snap["scheduler"] is None) != (self.scheduler is None):
+                raise ValueError("state['t0_state'] has a scheduler state but this LotteryTicket has no scheduler"
+                                 if self.scheduler is None else
+                                 "state['t0_state'] has no scheduler state but this LotteryTicket has a scheduler")
+        super().load_state_dict(state)
+        self._snapshot = copy.deepcopy(snap)
 
     def _save(self) -> None:
         self._snapshot = {
@@ -390,14 +476,18 @@ class DynamicSparseTraining(PruningMethod):
     """SET (Mocanu et al. [55]) and RigL (Evci et al. [17]), paper App. G.3.
 
     At construction the masks are random with Erdős–Rényi-kernel layer counts
-    (A.76, :func:`~prunopt.pruning.erk_counts`; the FB coefficients of a layer
-    get the counts of its spatial weight, so SP and IP have the same layer
-    densities).  Every ``update_interval`` steps (1500 for SET, 4000 for RigL in
-    the paper) while ``t < total_steps``, in every layer ``n_drop = floor(p_t n_l)``
-    of its ``n_l`` active weights are dropped (smallest ``|w|``) and as many
-    weights that were inactive before the update are grown — at random (SET) or
-    with the largest dense-gradient magnitude ``|dL/dw|`` (RigL); ``p_t`` is
-    A.77.  Grown weights start at 0 with zero optimizer state; every layer keeps
+    (A.76, :func:`~prunopt.pruning.erk_counts`).  The counts refer to the
+    tensors actually masked: an FB layer gets the ERK score of its spatial
+    weight ``(C_out, C_in/groups, kh, kw)`` (so SP and IP have the same layer
+    densities) applied to its ``C_out C_in/groups N`` coefficients
+    (``numels=``), hence ``sum_l count_l = floor((1-p) d)`` over the masked
+    entries also for a dictionary of ``N != kh kw`` elements.  Every
+    ``update_interval`` steps (1500 for SET, 4000 for RigL in the paper) while
+    ``t < total_steps``, in every layer ``n_drop = floor(p_t n_l)`` of its
+    ``n_l`` active weights are dropped (smallest ``|w|``) and as many weights
+    that were inactive before the update are grown — at random (SET) or with
+    the largest dense-gradient magnitude ``|dL/dw|`` (RigL); ``p_t`` is A.77.
+    Grown weights start at 0 with zero optimizer state; every layer keeps
     exactly its count.
 
     RigL needs the dense gradient: pass ``closure`` (returning the loss of a
@@ -421,7 +511,8 @@ class DynamicSparseTraining(PruningMethod):
         self.p_init, self.p_min = float(p_init), float(p_min)
         self.generator = generator
         shapes = OrderedDict((n, pt.spatial_shape) for n, pt in masker.tensors.items())
-        self.layer_counts = erk_counts(shapes, 1.0 - self.sparsity)
+        numels = OrderedDict((n, pt.parameter.numel()) for n, pt in masker.tensors.items())
+        self.layer_counts = erk_counts(shapes, 1.0 - self.sparsity, numels=numels)
         scores = random_scores(masker, generator)
         masks = OrderedDict()
         for n, s in scores.items():

@@ -9,7 +9,11 @@ entry (A.40).  Scores are computed with respect to the *effective* tensor
 ``w * mu`` (``lam * mu`` for IP), so already-pruned entries score 0 (SNIP,
 magnitude, SynFlow).  No ``.grad`` field, mode flag or buffer of the model is
 changed by a score function: BatchNorm running statistics updated by the
-train-mode passes of SNIP/GraSP are restored afterwards.
+train-mode passes of SNIP/GraSP are restored afterwards.  The gradient-based
+scores (SNIP, GraSP, SynFlow) enable autograd for their own passes, so they
+also work when called under ``torch.no_grad()``.  Tied layers (one Parameter
+held by several layers) are one tensor, scored under its first name, as in
+:class:`~prunopt.pruning.Masker`.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prunopt.pruning.masks import Masker, PrunableTensor, prunable_tensors
+from prunopt.pruning.masks import Masker, PrunableTensor, _distinct_tensors, prunable_tensors
 
 __all__ = [
     "random_scores",
@@ -40,7 +44,7 @@ def _resolve(target: Target) -> Tuple[nn.Module, "OrderedDict[str, PrunableTenso
     if isinstance(target, Masker):
         return target.model, target.tensors
     if isinstance(target, nn.Module):
-        tensors = prunable_tensors(target)
+        tensors = _distinct_tensors(prunable_tensors(target))
         if not tensors:
             raise ValueError("target has no prunable tensors")
         return target, tensors
@@ -113,7 +117,7 @@ def snip_scores(
     model, tensors = _resolve(target)
     batches = _batches(batches)
     params = [pt.parameter for pt in tensors.values()]
-    with _preserved(model, train=True):
+    with _preserved(model, train=True), torch.enable_grad():
         grads = _mean_grads(model, params, batches, loss_fn)
     with torch.no_grad():
         return OrderedDict((n, (g * pt.effective()).abs().detach()) for (n, pt), g in zip(tensors.items(), grads))
@@ -144,7 +148,7 @@ def grasp_scores(
     model, tensors = _resolve(target)
     batches = _batches(batches)
     params = [pt.parameter for pt in tensors.values()]
-    with _preserved(model, train=True):
+    with _preserved(model, train=True), torch.enable_grad():
         g_fixed = _mean_grads(model, params, batches, loss_fn, temperature)  # first backward: g_v
         hg = [torch.zeros_like(p) for p in params]
         for x, y in batches:
@@ -189,8 +193,9 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
             with torch.no_grad():
                 for t in values:
                     t.abs_()
-            r = model(ones).sum()
-            grads = torch.autograd.grad(r, params, allow_unused=True)
+            with torch.enable_grad():
+                r = model(ones).sum()
+                grads = torch.autograd.grad(r, params, allow_unused=True)
             with torch.no_grad():
                 out = OrderedDict(
                     (n, torch.zeros_like(pt.parameter) if g is None else (g * pt.effective()).detach())

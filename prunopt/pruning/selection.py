@@ -136,8 +136,33 @@ def _check_shape(shape, name: str) -> tuple:
     return tuple(int(x) for x in dims)
 
 
+def _check_numels(shapes: Mapping[str, Sequence[int]], numels: Optional[Mapping[str, int]]) -> Dict[str, int]:
+    """Entries of the masked tensor of every layer: ``numels[name]`` or ``prod(shape)``."""
+    n = {k: math.prod(_check_shape(s, k)) for k, s in shapes.items()}
+    if numels is None:
+        return n
+    if not isinstance(numels, Mapping):
+        raise TypeError(f"numels must be a mapping of layer names to ints, got {type(numels).__name__}")
+    unknown = [k for k in numels if k not in shapes]
+    missing = [k for k in shapes if k not in numels]
+    if unknown:
+        raise ValueError(f"numels: unknown layer name(s) {unknown}")
+    if missing:
+        raise ValueError(f"numels: no entry count for layer(s) {missing}")
+    for k in shapes:
+        v = numels[k]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"numels[{k!r}] must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"numels[{k!r}] must be >= 0, got {v}")
+    return {k: int(numels[k]) for k in shapes}
+
+
 def erk_densities(
-    shapes: Mapping[str, Sequence[int]], density: float, dense: Optional[Sequence[str]] = None
+    shapes: Mapping[str, Sequence[int]],
+    density: float,
+    dense: Optional[Sequence[str]] = None,
+    numels: Optional[Mapping[str, int]] = None,
 ) -> "OrderedDict[str, float]":
     """Erdős–Rényi-kernel layer densities (eq. A.76, RigL [17]).
 
@@ -149,7 +174,14 @@ def erk_densities(
     (sum of dimensions over their product), which A.76 cites.  Layers whose
     density would exceed 1 are made dense and ``eps`` is re-solved for the rest
     (RigL's procedure); names in ``dense`` are dense from the start, and so are
-    layers with no entries (a zero in their shape: nothing to prune)."""
+    layers with no entries (nothing to prune).
+
+    ``numels`` (default ``prod(shape)``) gives the number of entries of the
+    tensor that is actually masked, when it differs from the shape the ERK
+    score is taken of: an FB layer with a dictionary of ``N != kh kw`` elements
+    has the ERK score of its spatial weight ``(C_out, C_in, kh, kw)`` but masks
+    ``C_out C_in N`` coefficients.  ``n_l`` above is then ``numels[l]``, so the
+    budget ``density * sum_l n_l`` refers to the masked tensors."""
     d = check_sparsity(density, "density")
     if not isinstance(shapes, Mapping) or not shapes:
         raise ValueError("shapes must be a non-empty mapping of tensor names to shapes")
@@ -157,9 +189,12 @@ def erk_densities(
     unknown = dense - set(shapes)
     if unknown:
         raise ValueError(f"dense: unknown layer name(s) {sorted(unknown)}")
-    n = {k: math.prod(_check_shape(s, k)) for k, s in shapes.items()}
+    n = _check_numels(shapes, numels)
     # an empty layer has nothing to prune: dense (it takes no budget)
-    raw = {k: sum(int(x) for x in s) / n[k] if n[k] else 0.0 for k, s in shapes.items()}
+    raw = {}
+    for k, s in shapes.items():
+        spatial = math.prod(int(x) for x in s)
+        raw[k] = sum(int(x) for x in s) / spatial if n[k] and spatial else 0.0
     total = sum(n.values())
     budget = d * total
     is_dense = {k: (k in dense or n[k] == 0) for k in shapes}
@@ -178,13 +213,17 @@ def erk_densities(
 
 
 def erk_counts(
-    shapes: Mapping[str, Sequence[int]], density: float, dense: Optional[Sequence[str]] = None
+    shapes: Mapping[str, Sequence[int]],
+    density: float,
+    dense: Optional[Sequence[str]] = None,
+    numels: Optional[Mapping[str, int]] = None,
 ) -> "OrderedDict[str, int]":
     """Integer kept counts per layer from :func:`erk_densities`, summing exactly
     to ``floor(density * sum_l n_l)`` (largest-remainder rounding, never above
-    ``n_l``; ties to the earlier layer)."""
-    dens = erk_densities(shapes, density, dense)
-    n = {k: math.prod(_check_shape(s, k)) for k, s in shapes.items()}
+    ``n_l``; ties to the earlier layer).  ``n_l`` is ``numels[l]`` when given
+    (the entries of the masked tensor), else ``prod(shapes[l])``."""
+    dens = erk_densities(shapes, density, dense, numels)
+    n = _check_numels(shapes, numels)
     total = sum(n.values())
     target = kept_count(1.0 - float(density), total)
     exact = {k: dens[k] * n[k] for k in shapes}

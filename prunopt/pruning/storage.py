@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Union
 import torch
 from torch import Tensor, nn
 
-from prunopt.pruning.masks import Masker, prunable_tensors
+from prunopt.pruning.masks import Masker, _distinct_tensors, prunable_tensors
 
 __all__ = [
     "pruning_rates",
@@ -26,11 +26,19 @@ __all__ = [
 
 
 def _tensors(target):
+    """The prunable tensors of ``target`` (tied layers once); ``ValueError`` when
+    there are none, or when none has an entry (every rate would be 0/0)."""
     if isinstance(target, Masker):
-        return target.tensors
-    if isinstance(target, nn.Module):
-        return prunable_tensors(target)
-    raise TypeError(f"target must be a Masker or an nn.Module, got {type(target).__name__}")
+        tensors = target.tensors
+    elif isinstance(target, nn.Module):
+        tensors = _distinct_tensors(prunable_tensors(target))
+    else:
+        raise TypeError(f"target must be a Masker or an nn.Module, got {type(target).__name__}")
+    if not tensors:
+        raise ValueError("target has no prunable tensors")
+    if all(pt.parameter.numel() == 0 for pt in tensors.values()):
+        raise ValueError(f"target has no prunable entries: its prunable tensors {list(tensors)} are all empty")
+    return tensors
 
 
 def pruning_rates(target: Union[Masker, nn.Module]) -> Dict[str, float]:
@@ -40,8 +48,11 @@ def pruning_rates(target: Union[Masker, nn.Module]) -> Dict[str, float]:
     with ``Lambda`` the effective prunable tensors (spatial weights or FB
     coefficients, times their masks), ``F_j`` the distinct filter bases (a
     shared basis counts once) and ``D`` the number of prunable weights of the
-    equivalent standard network.  For a model without FB layers
-    ``p_IP = p_SP``.  Returns ``{"p_sp", "p_ip", "D", "nonzero", "basis_nonzero"}``."""
+    equivalent standard network (``C_out C_in/groups kh kw`` for an FB layer,
+    whatever its dictionary size ``N``; a tied tensor counts once).  For a model
+    without FB layers ``p_IP = p_SP``.  Returns ``{"p_sp", "p_ip", "D",
+    "nonzero", "basis_nonzero"}``.  A target without prunable tensors, or whose
+    prunable tensors are all empty, is a ``ValueError``."""
     tensors = _tensors(target)
     with torch.no_grad():
         nnz = sum(int(pt.effective().count_nonzero()) for pt in tensors.values())
@@ -149,7 +160,9 @@ def export_csr(target: Union[Masker, nn.Module]) -> Dict[str, object]:
     """CSR export of every effective prunable tensor.  Returns ``{"tensors":
     {FQN: CSRTensor}, "csr_bytes", "dense_bytes", "csr_fraction",
     "entropy_bytes", "entropy_fraction", "sparsity"}`` where the entropy figures
-    are the App. C bound ``d (S + (1-p) 32) / 8`` bytes (A.2)."""
+    are the App. C bound ``d (S + (1-p) 32) / 8`` bytes (A.2).  A target
+    without prunable tensors, or whose prunable tensors are all empty, is a
+    ``ValueError``."""
     tensors = _tensors(target)
     out: Dict[str, CSRTensor] = OrderedDict()
     with torch.no_grad():

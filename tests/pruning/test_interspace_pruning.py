@@ -195,3 +195,60 @@ def test_ip_masks_under_torch_compile():
         pruned = ~pt.mask.bool()
         assert torch.count_nonzero(pt.parameter.detach()[pruned]) == 0
         assert torch.count_nonzero(opt.state[pt.parameter]["momentum_buffer"][pruned]) == 0
+
+
+def test_non_square_kernels_use_kh_kw():
+    from prunopt.nn import FilterBasis
+
+    model = torch.nn.Sequential(FBConv2d(4, 8, (3, 1)), FBConv2d(8, 8, (1, 3)))
+    masker = Masker(model)
+    assert masker["0.coefficients"].spatial_shape == (8, 4, 3, 1)
+    assert masker["1.coefficients"].spatial_shape == (8, 8, 1, 3)
+    assert masker["0"].spatial_numel == 8 * 4 * 3
+    rates = pruning_rates(masker)
+    ref = prunopt.nn.pruning_rates(model)
+    assert rates["p_sp"] == 0.0 == ref["p_SP"]
+    assert rates["D"] == ref["D"] == 8 * 4 * 3 + 8 * 8 * 3
+    assert rates["p_ip"] == pytest.approx(ref["p_IP"])
+    # a dictionary of N != kh kw elements: D still counts the standard network's kh kw weights
+    d = torch.nn.Sequential(FBConv2d(2, 3, (3, 2), basis=FilterBasis((3, 2), size=4, init="random")))
+    assert Masker(d)["0"].spatial_shape == (3, 2, 3, 2)
+    assert pruning_rates(d)["D"] == prunopt.nn.pruning_rates(d)["D"] == 3 * 2 * 6
+
+
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+def test_dst_with_a_dictionary_keeps_the_target(mode):
+    from prunopt.nn import FilterBasis
+
+    torch.manual_seed(0)
+    basis = FilterBasis(3, size=4, init="random")
+    model = torch.nn.Sequential(
+        FBConv2d(1, 16, 3, padding=1, basis=basis), torch.nn.ReLU(),
+        FBConv2d(16, 32, 3, padding=1, basis=basis), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 4),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masker = Masker(model, opt)
+    dst = DynamicSparseTraining(masker, 0.5, total_steps=10, mode=mode, update_interval=1,
+                                generator=torch.Generator().manual_seed(0))
+    d = sum(pt.parameter.numel() for pt in masker.tensors.values())
+    counts = masker.counts()
+    assert counts == dst.layer_counts
+    assert sum(counts.values()) == int(0.5 * d)  # the global target, over the masked coefficients
+    assert masker.sparsity() == pytest.approx(0.5, abs=1 / d)
+    assert all(counts[n] <= pt.parameter.numel() for n, pt in masker.tensors.items())
+    # ERK densities of the spatial weights (as SP), applied to the N-entry coefficient tensors
+    from prunopt.pruning import erk_densities
+
+    dens = erk_densities({n: pt.spatial_shape for n, pt in masker.tensors.items()}, 0.5,
+                         numels={n: pt.parameter.numel() for n, pt in masker.tensors.items()})
+    for n, pt in masker.tensors.items():
+        assert abs(counts[n] - dens[n] * pt.parameter.numel()) <= 1, n
+    x, y = batch()
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        dst.step(closure=lambda: F.cross_entropy(model(x), y))
+        assert masker.counts() == counts
+    assert dst.updates == 3

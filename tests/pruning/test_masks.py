@@ -1,6 +1,7 @@
 """prunopt.pruning.Masker: masks hold through optimizer steps (gradients and
 optimizer state masked), deepcopy / state_dict / torch.compile, export."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -252,3 +253,135 @@ def test_invalid_sparsity_value(bad):
 def test_invalid_sparsity_type(bad):
     with pytest.raises(TypeError, match="sparsity"):
         check_sparsity(bad)
+
+
+# --------------------------------------------------------------- tied weights
+class _Tied(nn.Module):
+    """Two Linear layers holding one Parameter (``b.weight = a.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_tied_weights_share_one_mask():
+    torch.manual_seed(0)
+    model = _Tied()
+    shared = model.a.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    masker = Masker(model, opt)
+    assert list(masker.tensors) == ["a.weight", "head.weight"]  # the first name wins
+    assert masker.aliases == {"b.weight": "a.weight"}
+    assert masker["b"].name == "a.weight" and masker["b.weight"].parameter is shared
+    assert model.a.parametrizations.weight[0] is model.b.parametrizations.weight[0]  # one WeightMask
+    mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(1)) < 0.5
+    masker.set_masks({"b.weight": mask})  # an alias name means the tied tensor
+    assert torch.equal(masker.masks()["a.weight"], mask)
+    with pytest.raises(ValueError, match="same tensor"):
+        masker.set_masks({"a.weight": mask, "b": mask})
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        masker.step()
+    # the real sparsity of the shared Parameter is the one the masker reports
+    d = shared.numel() + model.head.weight.numel()
+    real_zeros = int((shared == 0).sum()) + int((model.head.weight == 0).sum())
+    assert masker.sparsity() == pytest.approx(real_zeros / d)
+    assert torch.equal(model.a.weight, model.b.weight)
+    assert torch.equal(model.a.weight[~mask], torch.zeros(int((~mask).sum())))
+    assert torch.equal(opt.state[shared]["momentum_buffer"][~mask], torch.zeros(int((~mask).sum())))
+    # dense gradients see both uses of the tied weight
+    dense = masker.dense_gradients(lambda: torch.nn.functional.cross_entropy(model(x), y))
+    plain = _Tied()  # the same effective weights, no masks
+    with torch.no_grad():
+        plain.a.weight.copy_(masker["a.weight"].effective())
+        plain.head.weight.copy_(masker["head.weight"].effective())
+        for n in ("a.bias", "b.bias", "head.bias"):
+            plain.get_parameter(n).copy_(model.get_parameter(n))
+    ref = torch.autograd.grad(torch.nn.functional.cross_entropy(plain(x), y), [plain.a.weight])[0]
+    torch.testing.assert_close(dense["a.weight"], ref)
+    assert (ref[~mask] != 0).any()  # pruned entries do get a gradient
+    # remove() bakes both layers and keeps the tie
+    before = model(x)
+    masker.remove()
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert model.a.weight is shared and model.b.weight is shared
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+def test_tied_fb_coefficients_share_one_mask():
+    from prunopt.nn import FBConv2d
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FBConv2d(2, 2, 3, padding=1), nn.ReLU(), FBConv2d(2, 2, 3, padding=1))
+    model[2].coefficients = model[0].coefficients
+    masker = Masker(model)
+    assert list(masker.tensors) == ["0.coefficients"] and masker.aliases == {"2.coefficients": "0.coefficients"}
+    assert model[2].mask is model[0].mask
+    mask = torch.rand(2, 2, 9, generator=torch.Generator().manual_seed(0)) < 0.5
+    masker.set_masks({"2": mask})
+    assert torch.equal(model[0].mask.bool(), mask) and torch.equal(model[2].mask.bool(), mask)
+    assert masker.sparsity() == pytest.approx(1 - int(mask.sum()) / mask.numel())
+    # tied FB layers that already disagree on their masks cannot share one: nothing changes
+    other = nn.Sequential(FBConv2d(2, 2, 3), FBConv2d(2, 2, 3))
+    other[1].coefficients = other[0].coefficients
+    other[1].mask[0, 0, 0] = 0
+    mask1 = other[1].mask
+    with pytest.raises(ValueError, match="tied layers '0.coefficients' and '1.coefficients'"):
+        Masker(other)
+    assert other[1].mask is mask1
+
+
+# ----------------------------------------------- construction is all-or-nothing
+def _plain_layers(model):
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+
+
+def test_masker_construction_is_atomic():
+    import torch.nn.utils.prune as torch_prune
+
+    lazy = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match="'2.weight'.*uninitialized"):
+        Masker(lazy)
+    assert not parametrize.is_parametrized(lazy[0])  # the earlier layer is untouched
+    pruned = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    torch_prune.l1_unstructured(pruned[1], "weight", 0.5)
+    with pytest.raises(ValueError, match="'1.weight'.*torch.nn.utils.prune"):
+        Masker(pruned)
+    assert not parametrize.is_parametrized(pruned[0])
+    # the other layers can still be masked
+    assert list(Masker(pruned, exclude=["1"]).tensors) == ["0.weight"]
+
+
+@pytest.mark.parametrize("how", ["parametrizations.weight_norm", "utils.weight_norm"])
+def test_already_parametrized_weight_is_a_value_error(how):
+    lin = nn.Linear(4, 3)
+    if how == "parametrizations.weight_norm":
+        lin = nn.utils.parametrizations.weight_norm(lin)
+    else:
+        with warnings.catch_warnings():  # deprecated in favour of the parametrization
+            warnings.simplefilter("ignore")
+            lin = nn.utils.weight_norm(lin)
+    model = nn.Sequential(nn.Linear(4, 4), lin)
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match="'1.weight'"):
+        Masker(model)
+    assert not parametrize.is_parametrized(model[0]) and set(model.state_dict()) == keys
+    masker = Masker(model, exclude=["1"])  # excluding it works, and step() runs
+    masker.step()
+
+
+def test_density_of_empty_tensors_is_a_value_error():
+    masker = Masker(nn.Linear(0, 4))
+    with pytest.raises(ValueError, match="no prunable entries"):
+        masker.density()
+    with pytest.raises(ValueError, match="no prunable entries"):
+        masker.sparsity()

@@ -19,6 +19,7 @@ from prunopt.pruning import (
     grasp_scores,
     kept_count,
     lottery_ticket_trainings,
+    magnitude_prune,
     synflow_prune,
 )
 
@@ -307,3 +308,180 @@ def test_method_state_dict_round_trip():
     assert gmp2.last_step == 2 and gmp2.current_sparsity == gmp.current_sparsity
     with pytest.raises(ValueError, match="lacks"):
         gmp2.load_state_dict({})
+
+
+# ------------------------------------------------ lottery ticket: resume a run
+def _lt_run(interrupt_at=None, seed=0):
+    """Train 6 steps (t0 = 2), prune and rewind, train 3 more, prune and rewind
+    again.  With ``interrupt_at``, everything is saved (torch.save) after that
+    many steps and loaded into objects rebuilt from another seed."""
+    import io
+
+    def build(s):
+        torch.manual_seed(s)
+        model = TinyNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        masker = Masker(model, opt)
+        lt = LotteryTicket(masker, opt, sparsity=0.6, t0=2, scheduler=sched)
+        return model, opt, sched, masker, lt
+
+    model, opt, sched, masker, lt = build(seed)
+
+    def it(i):
+        x, y = batch(seed=i)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        lt.step()
+
+    schedule = [("step", i) for i in range(6)] + [("prune", None)] + [("step", i) for i in range(6, 9)]
+    schedule += [("prune", None)]
+    for k, (what, i) in enumerate(schedule):
+        if k == interrupt_at:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "masker": masker.state_dict(), "lt": lt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model, opt, sched, masker, lt = build(seed + 1)  # other initial weights: a wrong rewind shows
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+            masker.load_state_dict(saved["masker"])
+            lt.load_state_dict(saved["lt"])
+        if what == "step":
+            it(i)
+        else:
+            lt.prune_and_rewind()
+    return model, opt, sched, masker, lt
+
+
+@pytest.mark.parametrize("interrupt_at", [1, 4, 7, 8])
+def test_lottery_ticket_resumes_from_its_state_dict(interrupt_at):
+    ref = _lt_run()
+    got = _lt_run(interrupt_at)
+    assert got[4].state_dict()["last_step"] == ref[4].last_step == 2 and got[4].rounds_done == 2
+    for k, v in ref[0].state_dict().items():
+        assert torch.equal(got[0].state_dict()[k], v), k
+    for n, m in ref[3].masks().items():
+        assert torch.equal(got[3].masks()[n], m), n
+    assert got[2].state_dict() == ref[2].state_dict()
+    ref_state, got_state = ref[1].state_dict()["state"], got[1].state_dict()["state"]
+    assert set(ref_state) == set(got_state)
+    for pid, st in ref_state.items():
+        for k, v in st.items():
+            assert torch.equal(got_state[pid][k], v), (pid, k)
+
+
+def test_lottery_ticket_state_dict_checks():
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lt = LotteryTicket(Masker(model, opt), opt, sparsity=0.5, t0=0)
+    sd = lt.state_dict()
+    assert set(sd["t0_state"]) == {"model", "optimizer", "scheduler"}
+    old = {"last_step": 3, "rounds_done": 0}  # no snapshot, saved after t0: cannot rewind
+    with pytest.raises(ValueError, match="t0_state"):
+        lt.load_state_dict(old)
+    bad = dict(sd, t0_state=dict(sd["t0_state"], model={"nope": torch.zeros(1)}))
+    with pytest.raises(ValueError, match="does not fit the model"):
+        lt.load_state_dict(bad)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with pytest.raises(ValueError, match="scheduler"):
+        LotteryTicket(Masker(TinyNet(), opt), opt, 0.5, scheduler=sched).load_state_dict(sd)
+    assert lt.last_step == 0 and lt._snapshot is not None  # unchanged by the failed loads
+    lt2 = LotteryTicket(Masker(TinyNet(), opt), opt, 0.5, t0=5)
+    lt2.load_state_dict({"last_step": 2, "rounds_done": 0})  # before t0: nothing to rewind to yet
+    assert lt2.last_step == 2 and lt2._snapshot is None
+
+
+# ----------------------------------------------------------- never revive
+@pytest.mark.parametrize("scope", ["global", "layerwise"])
+def test_magnitude_prune_keep_pruned_never_revives(scope):
+    torch.manual_seed(0)
+    masker = Masker(TinyNet())
+    magnitude_prune(masker, 0.8, scope)
+    before = masker.masks()
+    magnitude_prune(masker, 0.5, scope, keep_pruned=True)  # already sparser: nothing changes
+    for n, m in masker.masks().items():
+        assert torch.equal(m, before[n]), n
+    assert sum(masker.counts().values()) == sum(int(m.sum()) for m in before.values())
+    magnitude_prune(masker, 0.9, scope, keep_pruned=True)  # sparser: prunes among the kept entries only
+    d = _total(masker)
+    if scope == "global":
+        assert sum(masker.counts().values()) == kept_count(0.9, d)
+    for n, m in masker.masks().items():
+        assert not bool((m & ~before[n]).any()), n
+        if scope == "layerwise":
+            assert int(m.sum()) == kept_count(0.9, m.numel())
+    magnitude_prune(masker, 0.5, scope, keep_pruned=False)  # recomputed from all entries
+    assert sum(masker.counts().values()) == (kept_count(0.5, d) if scope == "global" else
+                                             sum(kept_count(0.5, m.numel()) for m in before.values()))
+
+
+def test_gmp_starts_from_the_maskers_real_sparsity():
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    masker = Masker(model, opt)
+    magnitude_prune(masker, 0.6)
+    gmp = GradualMagnitudePruning(masker, 0.8, t0=0, t1=4, interval=1)
+    assert gmp.current_sparsity == pytest.approx(masker.sparsity())
+    d = _total(masker)
+    for t in range(1, 6):
+        prev = masker.masks()
+        _train_step(model, opt, gmp, t)
+        for n, m in masker.masks().items():
+            assert not bool((m & ~prev[n]).any()), (t, n)  # never revived
+        expected = min(kept_count(0.6, d), kept_count(gmp_sparsity(t, 0.8, 0, 4), d))
+        assert sum(masker.counts().values()) == expected, t
+    assert sum(masker.counts().values()) == kept_count(0.8, d)
+
+
+def test_synflow_prune_never_revives():
+    masker = Masker(TinyNet())
+    magnitude_prune(masker, 0.7)
+    before = masker.masks()
+    synflow_prune(masker, 0.5, (1, 6, 6), rounds=3)
+    for n, m in masker.masks().items():
+        assert torch.equal(m, before[n]), n
+
+
+def test_pai_synflow_takes_inputs_of_one_batch_tuple(monkeypatch):
+    import prunopt.pruning.methods as methods
+
+    x, y = batch(n=4)
+    seen = []
+    masker = Masker(TinyNet())
+    with monkeypatch.context() as mp:
+        mp.setattr(methods, "synflow_prune", lambda m, p, example_input, rounds: seen.append(example_input.shape))
+        PruningAtInit(masker, "synflow", 0.5).prune(batches=(x, y))
+        PruningAtInit(masker, "synflow", 0.5).prune(batches=[(x, y)])
+    assert seen == [x.shape, x.shape]  # the batch, not its first sample
+    PruningAtInit(masker, "synflow", 0.5, synflow_rounds=2).prune(batches=(x, y))
+    assert sum(masker.counts().values()) == kept_count(0.5, _total(masker))
+
+
+def test_gmp_sparsity_argument_errors():
+    with pytest.raises(ValueError, match="t1"):
+        gmp_sparsity(5, 0.5, 10, 2)
+    with pytest.raises(ValueError, match="t must"):
+        gmp_sparsity(-1, 0.5, 0, 10)
+    with pytest.raises(TypeError, match="t must"):
+        gmp_sparsity(1.5, 0.5, 0, 10)
+    with pytest.raises(TypeError, match="t0"):
+        gmp_sparsity(1, 0.5, None, 10)
+    with pytest.raises(ValueError, match="t0"):
+        gmp_sparsity(1, 0.5, -2, 10)
+    assert gmp_sparsity(3, 0.5, 3, 3) == 0.5
+
+
+def test_pai_works_under_no_grad():
+    torch.manual_seed(0)
+    for score in ("snip", "grasp", "synflow"):
+        masker = Masker(TinyNet())
+        with torch.no_grad():
+            PruningAtInit(masker, score, 0.7, synflow_rounds=2).prune(batches=[batch()])
+        assert sum(masker.counts().values()) == kept_count(0.7, _total(masker)), score

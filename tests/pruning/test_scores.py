@@ -167,3 +167,33 @@ def test_score_argument_errors():
         grasp_scores(model, batch(), temperature=0)
     with pytest.raises(TypeError, match="example_input"):
         synflow_scores(model, "3x32x32")
+
+
+@pytest.mark.parametrize("score", ["snip", "grasp", "synflow"])
+def test_gradient_scores_work_under_no_grad(score):
+    torch.manual_seed(0)
+    model = TinyNet()
+    masker = Masker(model)
+    masker.set_masks(random_masks(masker, 0.6))
+    b = [batch(seed=1)]
+    fn = {"snip": lambda: snip_scores(masker, b), "grasp": lambda: grasp_scores(masker, b),
+          "synflow": lambda: synflow_scores(masker, b[0][0])}[score]
+    expected = fn()
+    with torch.no_grad():
+        got = fn()
+        assert not torch.is_grad_enabled()  # the mode is restored
+    assert list(got) == list(expected)
+    for n, s in got.items():
+        assert not s.requires_grad
+        torch.testing.assert_close(s, expected[n], rtol=0, atol=0)
+    assert any(bool((s != 0).any()) for s in got.values())
+
+
+def test_scores_of_a_plain_model_count_tied_weights_once():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    assert list(magnitude_scores(model)) == ["0.weight"]
+    x, y = torch.randn(6, 4), torch.randint(0, 4, (6,))
+    s = snip_scores(model, (x, y))
+    g = torch.autograd.grad(F.cross_entropy(model(x), y), [model[0].weight])[0]  # both uses
+    torch.testing.assert_close(s["0.weight"], (g * model[0].weight).abs())

@@ -133,3 +133,26 @@ def test_erk_errors():
         erk_densities(SHAPES, 1.5)
     with pytest.raises(ValueError, match="dense.*nope"):
         erk_densities(SHAPES, 0.5, dense=["nope"])
+
+
+def test_erk_numels_refer_to_the_masked_tensors():
+    shapes = {"a": (16, 1, 3, 3), "b": (32, 16, 3, 3), "c": (4, 32)}
+    numels = {"a": 16 * 4, "b": 32 * 16 * 4, "c": 128}  # FB layers with N = 4 coefficients
+    counts = erk_counts(shapes, 0.3, numels=numels)
+    total = sum(numels.values())
+    assert sum(counts.values()) == kept_count(0.7, total)
+    assert all(counts[k] <= numels[k] for k in shapes)
+    dens = erk_densities(shapes, 0.3, numels=numels)
+    assert sum(dens[k] * numels[k] for k in shapes) == pytest.approx(0.3 * total)
+    # same ERK scores sum(shape)/prod(shape) (of the spatial shapes), another budget: ratios agree
+    shapes = {"a": (16, 8, 3, 3), "b": (32, 16, 3, 3), "c": (10, 64)}
+    numels = {"a": 16 * 8 * 4, "b": 32 * 16 * 4, "c": 640}
+    ref, low = erk_densities(shapes, 0.1), erk_densities(shapes, 0.1, numels=numels)
+    assert all(v < 1 for v in ref.values()) and all(v < 1 for v in low.values())
+    assert low["b"] / low["c"] == pytest.approx(ref["b"] / ref["c"])
+    assert low["a"] / low["b"] == pytest.approx(ref["a"] / ref["b"])
+    assert sum(low[k] * numels[k] for k in shapes) == pytest.approx(0.1 * sum(numels.values()))
+    with pytest.raises(ValueError, match="numels"):
+        erk_counts(shapes, 0.3, numels={"a": 1})
+    with pytest.raises(TypeError, match="numels"):
+        erk_counts(shapes, 0.3, numels={**numels, "a": 1.5})

@@ -68,3 +68,18 @@ def test_errors():
         from_csr(torch.zeros(3))
     with pytest.raises(TypeError, match="target"):
         export_csr(3)
+
+
+def test_rates_and_export_of_nothing_prunable_are_value_errors():
+    from torch import nn
+
+    from prunopt.pruning import pruning_rates
+
+    for target in (nn.Sequential(nn.ReLU(), nn.BatchNorm2d(3)), Masker(nn.Linear(0, 4))):
+        with pytest.raises(ValueError, match="no prunable"):
+            pruning_rates(target)
+        with pytest.raises(ValueError, match="no prunable"):
+            export_csr(target)
+    # an empty layer beside a non-empty one is fine
+    m = Masker(nn.Sequential(nn.Linear(0, 4), nn.Linear(4, 2)))
+    assert export_csr(m)["sparsity"] == 0.0 and pruning_rates(m)["D"] == 8
