@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <type_traits>
@@ -113,6 +114,22 @@ struct Lanes {
   Lanes() {
     for (int l = 0; l < kLanes; ++l) {
       maxk1[l] = -std::numeric_limits<double>::infinity();
+    }
+  }
+  // Adds the sums of one block (two-level summation: a chunk's sums are sums of
+  // block sums, so n equal addends, e.g. tied scores, no longer accumulate one
+  // rounding each into one long running sum: 6.5e-12 off in float64 at 1e6 ties).
+  void absorb(const Lanes& o) {
+    for (int l = 0; l < kLanes; ++l) {
+      u[l] += o.u[l];
+      fct[l] += o.fct[l];
+      fcc[l] += o.fcc[l];
+      u0[l] += o.u0[l];
+      f0ct[l] += o.f0ct[l];
+      f0cc[l] += o.f0cc[l];
+      maxk1[l] = std::max(maxk1[l], o.maxk1[l]);
+      bad_t[l] += o.bad_t[l];
+      bad_c[l] += o.bad_c[l];
     }
   }
 };
@@ -352,14 +369,16 @@ void level_pass(
         for (int64_t b0 = b; b0 < e; b0 += kBlock) {
           const int64_t e0 = std::min(e, b0 + kBlock);
           int64_t i = b0;
+          Lanes Lb;
           for (; i + kLanes <= e0; i += kLanes) {
             for (int l = 0; l < kLanes; ++l) {
-              reduce_one<scalar_t, kCost, kFirst>(tp, cp, i + l, lo, L, l);
+              reduce_one<scalar_t, kCost, kFirst>(tp, cp, i + l, lo, Lb, l);
             }
           }
           for (; i < e0; ++i) {
-            reduce_one<scalar_t, kCost, kFirst>(tp, cp, i, lo, L, 0);
+            reduce_one<scalar_t, kCost, kFirst>(tp, cp, i, lo, Lb, 0);
           }
+          L.absorb(Lb);
           for (i = b0; i < e0; ++i) {
             const double t = static_cast<double>(tp[i]);
             const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
@@ -512,53 +531,96 @@ double solve_lambda_histogram(const std::vector<Segment>& segs, int64_t total, d
   if (budget == 0.0) {
     return std::numeric_limits<double>::infinity();  // all zeros
   }
-  // Invariant: phi(known_lo) > 0 >= phi(known_hi); phi(max key1) = -S < 0.
-  double known_lo = 0.0, known_hi = accs[0].max_key1;
+  // Invariant: phi(v_lo) > 0 >= phi(v_hi), both established by sums taken
+  // directly over the data (every pass sums U and F at its lo; phi(max key1) =
+  // -S < 0). Crossing the buckets (running sums, projection::cross) only
+  // *proposes* the next bracket: the crossing subtracts, and with costs over
+  // several orders of magnitude (c^2 up to 1e12) the running sums cancelled to
+  // a few digits, picked a wrong bucket and missed the root by up to 2e-2. The
+  // next pass's direct sums confirm or refute the proposal, and the root is
+  // taken from the direct sums of a bracket that the pass found free of
+  // breakpoints (phi is one linear piece there).
+  double v_lo = 0.0, v_hi = accs[0].max_key1;
+  bool piece = false;  // the bracket was proposed as one linear piece (one bucket)
+  double reach = 0.0;  // after a refuted proposal: how far below it the next bracket starts
   for (int level = 0; level < kMaxLevels; ++level) {
     const ChunkAcc& r = accs[0];
-    Piece acc = r.at_lo;
-    bool narrowed = false;
-    if (projection::phi(acc, lo, budget) <= 0.0) {
-      known_hi = std::min(known_hi, lo);  // the bracket lies above the root
-    } else {
-      known_lo = std::max(known_lo, lo);
-      const double width = (hi - lo) / static_cast<double>(buckets);
-      double bucket_lo = lo;
-      for (int64_t j = 0; j < buckets; ++j) {
-        const double bucket_hi = (j + 1 == buckets) ? hi : lo + width * static_cast<double>(j + 1);
-        const Piece next = projection::cross(acc, r.hist[j]);
-        if (projection::phi(next, bucket_hi, budget) <= 0.0) {
-          const long long keys = r.hist[j].keys();
-          if (keys == 0 || !(bucket_hi > bucket_lo) || bucket_lo + width == bucket_lo) {
-            // one linear piece (or the bracket cannot shrink): exact root
-            const double lam = projection::piece_root(acc, budget, bucket_hi);
-            return std::min(std::max(lam, bucket_lo), bucket_hi);
-          }
-          known_lo = bucket_lo;
-          known_hi = std::min(bucket_hi, known_hi);
-          buckets = buckets_for(keys);
-          narrowed = true;
-          break;
-        }
-        acc = next;
-        bucket_lo = bucket_hi;
-      }
-      if (!narrowed) {
-        known_lo = std::max(known_lo, hi);  // the bracket lies below the root
-      }
-    }
-    if (!narrowed) {
+    const Piece direct = r.at_lo;
+    if (projection::phi(direct, lo, budget) <= 0.0) {
+      // the root lies below lo. The running sums that proposed [lo, hi) were
+      // close, so the next bracket reaches down from lo by a width that grows
+      // 16-fold with each refutation in a row (rather than going back to v_lo,
+      // far below, whence the crossing would cancel as much again)
+      v_hi = std::min(v_hi, lo);
+      reach = reach > 0.0 ? reach * 16.0 : 16.0 * std::max(hi - lo, std::abs(lo) * 0x1p-40);
+      lo = std::max(v_lo, v_hi - reach);
+      hi = v_hi;
       buckets = 4096;
+      piece = false;
+    } else {
+      reach = 0.0;
+      v_lo = std::max(v_lo, lo);
+      const long long keys_in_bracket = piece ? r.hist[0].keys() : -1;
+      if (keys_in_bracket == 0) {
+        // no breakpoint in [lo, hi): phi is linear there, with the direct sums at lo
+        const double lam = projection::piece_root(direct, budget, hi);
+        if (lam <= hi) {
+          return std::max(lam, lo);
+        }
+        v_lo = std::max(v_lo, hi);  // phi(hi) > 0 on that piece: the root lies above
+        lo = v_lo;
+        hi = v_hi;
+        buckets = 4096;
+        piece = false;
+      } else {
+        piece = false;
+        Piece acc = direct;
+        const double width = (hi - lo) / static_cast<double>(buckets);
+        double bucket_lo = lo;
+        bool proposed = false;
+        for (int64_t j = 0; j < buckets; ++j) {
+          const double bucket_hi = (j + 1 == buckets) ? hi : lo + width * static_cast<double>(j + 1);
+          const Piece next = projection::cross(acc, r.hist[j]);
+          if (projection::phi(next, bucket_hi, budget) <= 0.0) {
+            const long long keys = r.hist[j].keys();
+            if (!(bucket_hi > bucket_lo) || bucket_lo + width == bucket_lo) {
+              // the bracket cannot shrink (double resolution): the root to within an ulp of lam
+              const double lam = projection::piece_root(acc, budget, bucket_hi);
+              return std::min(std::max(lam, bucket_lo), bucket_hi);
+            }
+            lo = bucket_lo;
+            hi = std::min(bucket_hi, v_hi);
+            buckets = keys == 0 ? 1 : buckets_for(keys);
+            piece = keys == 0;
+            proposed = true;
+            break;
+          }
+          acc = next;
+          bucket_lo = bucket_hi;
+        }
+        if (!proposed) {
+          lo = std::max(v_lo, hi);  // the running sums say: above the bracket
+          hi = v_hi;
+          buckets = 4096;
+        }
+        if (!(hi > lo) && v_hi > v_lo) {
+          // the running sums point at or beyond v_hi, where phi <= 0 is verified:
+          // they cancelled; the root lies just below v_hi, so reach down from it
+          reach = 16.0 * std::max(width, std::abs(v_hi) * 0x1p-40);
+          lo = std::max(v_lo, v_hi - reach);
+          hi = v_hi;
+          buckets = 4096;
+          piece = false;
+        }
+      }
     }
-    lo = known_lo;
-    hi = known_hi;
     if (!(hi > lo)) {
       return hi;
     }
     level_pass<scalar_t, kCost, false>(segs, total, lo, hi, buckets, accs);
     reduce_chunks(accs, buckets, /*first=*/false);
   }
-  return hi;
+  return v_hi;
 }
 
 // ===========================================================================
@@ -971,6 +1033,9 @@ void scalar_compact(const scalar_t* tp, const scalar_t* cp, int64_t b0, int64_t 
   double u = 0, ft = 0, fcc = 0;
   for (int64_t blk = b0; blk < e0; blk += kCompactBlock) {
     const int64_t be = std::min(e0, blk + kCompactBlock);
+    // two-level sums (block, then chunk): n equal addends (tied scores) do not
+    // each round into one long running sum
+    double bu = 0, bft = 0, bfcc = 0;
     out.t.reserve(out.t.n + (be - blk) + 8);
     if (kCost) {
       out.c.reserve(out.t.n + (be - blk) + 8);
@@ -986,9 +1051,9 @@ void scalar_compact(const scalar_t* tp, const scalar_t* cp, int64_t b0, int64_t 
       const bool in_b = ((k1 > a) & (k1 < b)) | ((k2 > a) & (k2 < b));
       const double is_u = static_cast<double>(!in_b & (k2 >= b));
       const double is_f = static_cast<double>(!in_b & (k2 <= a) & (k1 >= b));
-      u += is_u * c;
-      ft += is_f * (c * t);
-      fcc += is_f * (c * c);
+      bu += is_u * c;
+      bft += is_f * (c * t);
+      bfcc += is_f * (c * c);
       bt[pos] = tp[i];
       if (kCost) {
         bc[pos] = cp[i];
@@ -1005,6 +1070,9 @@ void scalar_compact(const scalar_t* tp, const scalar_t* cp, int64_t b0, int64_t 
     if (kCost) {
       out.c.n = pos;
     }
+    u += bu;
+    ft += bft;
+    fcc += bfcc;
   }
   out.base.merge(Piece{u, ft, fcc});
 }
@@ -1188,9 +1256,19 @@ SmallSet gather_all(const std::vector<PassChunk<scalar_t>>& chunks) {
 // lam* = max(0, lam1) (0: slack budget, +inf: zero budget), validating the
 // input first. Throws ValueError naming the argument before anything is
 // written.
+// PRUNOPT_PROJECTION_SOLVER=histogram skips the fast solver (tests run the
+// fallback on inputs the sample would not mislead); read per call.
+inline bool histogram_forced() {
+  const char* v = std::getenv("PRUNOPT_PROJECTION_SOLVER");
+  return v != nullptr && std::strcmp(v, "histogram") == 0;
+}
+
 template <typename scalar_t, bool kCost>
 double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budget, const char* op) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
+  if (histogram_forced()) {
+    return solve_lambda_histogram<scalar_t, kCost>(segs, total, budget, op);
+  }
   Piece base;
   double lo = 0.0, hi = kInf;
   std::vector<PassChunk<scalar_t>> cur;

@@ -53,7 +53,10 @@ def validate_projection_args(theta: TensorOrList, budget, cost: Optional[TensorO
         budget = budget.item()
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real):  # NumPy scalars too
         raise TypeError(f"budget must be a real number, got {type(budget).__name__}")
-    budget = float(budget)
+    try:
+        budget = float(budget)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"budget must be a finite number >= 0, got an int of {int(budget).bit_length()} bits") from None
     if not math.isfinite(budget) or budget < 0:
         raise ValueError(f"budget must be a finite number >= 0, got {budget}")
     costs = None

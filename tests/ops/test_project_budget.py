@@ -428,3 +428,41 @@ def test_adversarial_large_inputs(case):
     t = t.to(dtype)
     c = None if c is None else c.to(dtype)
     _assert_exact(t, S, c, scale=6.0 if c is not None else 6.0)
+
+
+@pytest.mark.parametrize("solver", ["default", "histogram"])
+@pytest.mark.parametrize("n, spread", [(100_000, 1e6), (300_000, 1e4), (20_000, 1e8)])
+def test_costs_over_many_orders_of_magnitude(monkeypatch, solver, n, spread):
+    """Costs spanning up to 8 orders of magnitude: the histogram solver's running
+    sums (crossing buckets subtracts c^2 terms up to 1e16) cancelled, picked
+    wrong buckets and missed the root by up to 2e-2 (or returned all zeros);
+    it now proposes brackets from them but takes every decision from direct
+    sums. Both solvers against the float64 reference, in float64 and float32."""
+    if not prunopt.extension_available():
+        pytest.skip("compiled extension not built")
+    if solver == "histogram":
+        monkeypatch.setenv("PRUNOPT_PROJECTION_SOLVER", "histogram")
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=g, dtype=torch.float64)
+    c = torch.rand(n, generator=g, dtype=torch.float64) * spread + 1
+    for dtype in (torch.float64, torch.float32):
+        tt, cc = t.to(dtype), c.to(dtype)
+        for budget in (1.0, 100.0, 1e4):
+            x = project_budget(tt, budget, cc).double()
+            ref = project_budget_reference(tt.double(), budget, cc.double())
+            assert (x - ref).abs().max().item() <= tolerance(dtype)["atol"], (dtype, budget)
+
+
+@pytest.mark.parametrize("solver", ["default", "histogram"])
+def test_a_million_tied_scores_within_1e12(monkeypatch, solver):
+    """1e6 equal float64 scores: each solver's sums were one long running sum of
+    equal addends (one rounding each: 6.5e-12 off, and sum(theta) above the
+    budget); they are summed in blocks now."""
+    if not prunopt.extension_available():
+        pytest.skip("compiled extension not built")
+    if solver == "histogram":
+        monkeypatch.setenv("PRUNOPT_PROJECTION_SOLVER", "histogram")
+    x = project_budget(torch.full((10**6,), 0.7, dtype=torch.float64), 1e5)
+    assert (x - 0.1).abs().max().item() <= 1e-12
+    y = project_budget(torch.full((3 * 10**5,), 0.7, dtype=torch.float64), 0.3 * 3e5)
+    assert (y - 0.3).abs().max().item() <= 1e-12
