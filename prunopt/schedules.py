@@ -33,6 +33,43 @@ def _check_step(step) -> int:
     return step
 
 
+def _real(value, name: str) -> float:
+    """``value`` as a float: ``TypeError`` naming ``name`` unless a real number
+    (int, float, NumPy scalar or one-element real tensor, not a bool); a value
+    too large for a float (an int such as ``10**400``) is a ``ValueError``."""
+    import torch
+
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
+            and value.dtype != torch.bool):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an int too large for a float "
+                         f"({value.bit_length()} bits)") from None
+
+
+def _int(value, name: str) -> int:
+    """``value`` as an int: ``TypeError`` naming ``name`` unless an int or NumPy
+    integer (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _state_values(state, keys, defaults, owner: str) -> list:
+    """The values of ``keys`` in a state dict; a missing key is a ``ValueError``
+    naming it (``defaults`` fills optional keys)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict from {owner}.state_dict(), got {type(state).__name__}")
+    missing = [k for k in keys if k not in state and k not in defaults]
+    if missing:
+        raise ValueError(f"state lacks the key(s) {missing} of {owner}.state_dict()")
+    return [state[k] if k in state else defaults[k] for k in keys]
+
+
 class DensitySchedule:
     r"""Annealed density of the ProM supplement (A.1; SPEC.md §1).
 
@@ -48,37 +85,42 @@ class DensitySchedule:
     use ``power=3``.
 
     Args:
-        target: final density ``d_t`` in (0, 1].
-        start: ``i_min``, the first step of the annealing (>= 0).
-        end: ``i_max`` (> start).
-        power: exponent ``p`` (> 0).
+        target: final density ``d_t`` in (0, 1] (a real number).
+        start: ``i_min``, the first step of the annealing (an int >= 0; NumPy
+            integers too, as for the step).
+        end: ``i_max`` (an int > start).
+        power: exponent ``p`` (a real number > 0, finite).
+
+    A value of the wrong type (a string, a bool, a float step) is a
+    ``TypeError`` naming the argument; a value out of range (including one too
+    large for a float) a ``ValueError``.
 
     Call it with a step to get ``d(step)``; :meth:`budget` scales by ``D``.
     """
 
     def __init__(self, target: float, start: int, end: int, power: float = 1.0):
-        if isinstance(target, bool) or not isinstance(target, (int, float)):
-            raise TypeError(f"target must be a number, got {type(target).__name__}")
-        if not (0.0 < float(target) <= 1.0):
+        target = _real(target, "target")
+        if not (0.0 < target <= 1.0):
             raise ValueError(f"target must be in (0, 1], got {target}")
-        for name, v in (("start", start), ("end", end)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        start, end = _int(start, "start"), _int(end, "end")
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         if end <= start:
             raise ValueError(f"end must be > start ({start}), got {end}")
-        if not (isinstance(power, (int, float)) and math.isfinite(power) and power > 0):
+        power = _real(power, "power")
+        if not (math.isfinite(power) and power > 0):
             raise ValueError(f"power must be a finite number > 0, got {power}")
-        self.target = float(target)
-        self.start = int(start)
-        self.end = int(end)
-        self.power = float(power)
+        self.target = target
+        self.start = start
+        self.end = end
+        self.power = power
 
     @classmethod
     def from_acceleration(cls, alpha: float, start: int, end: int, power: float = 1.0) -> "DensitySchedule":
-        """The schedule for acceleration factor ``alpha >= 1`` (``target = 1/alpha``)."""
-        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha >= 1):
+        """The schedule for acceleration factor ``alpha >= 1`` (``target = 1/alpha``;
+        a real number, finite)."""
+        alpha = _real(alpha, "alpha")
+        if not (math.isfinite(alpha) and alpha >= 1):
             raise ValueError(f"alpha must be a finite number >= 1, got {alpha}")
         return cls(1.0 / alpha, start, end, power)
 
@@ -92,14 +134,24 @@ class DensitySchedule:
         return self.target + (1.0 - self.target) * frac**self.power
 
     def budget(self, step: int, total: float) -> float:
-        """``S(step) = d(step) * total`` (total = number of scores or sum of costs)."""
-        return self(step) * float(total)
+        """``S(step) = d(step) * total`` (total = number of scores or sum of
+        costs: a finite real number >= 0, else ``TypeError``/``ValueError``
+        naming ``total``)."""
+        total = _real(total, "total")
+        if not (math.isfinite(total) and total >= 0):
+            raise ValueError(f"total must be a finite number >= 0, got {total}")
+        return self(step) * total
 
     def state_dict(self) -> Dict[str, Any]:
         return {"target": self.target, "start": self.start, "end": self.end, "power": self.power}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        fresh = DensitySchedule(state["target"], state["start"], state["end"], state.get("power", 1.0))
+        """Restores :meth:`state_dict`'s output (``power`` may be absent: 1).
+        The whole state is checked first: a missing key is a ``ValueError``
+        naming it, a bad value the constructor's error, and the schedule is
+        unchanged when it raises."""
+        values = _state_values(state, ("target", "start", "end", "power"), {"power": 1.0}, "DensitySchedule")
+        fresh = DensitySchedule(*values)
         self.__dict__.update(fresh.__dict__)
 
     def __repr__(self) -> str:
@@ -112,12 +164,20 @@ class TemperatureSchedule:
     Gumbel-sigmoid masks of ProbMask/ProM, SPEC.md §1)."""
 
     def __init__(self, start: float, end: float, steps: int):
+        values = []
         for name, v in (("start", start), ("end", end)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+            try:
+                v = float(v)
+            except OverflowError:
+                v = math.inf
+            if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-            raise ValueError(f"steps must be a positive int, got {steps}")
-        self.start, self.end, self.steps = float(start), float(end), int(steps)
+            values.append(v)
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps <= 0:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        (self.start, self.end), self.steps = values, int(steps)
 
     def __call__(self, step: int) -> float:
         i = min(_check_step(step), self.steps)
@@ -127,4 +187,7 @@ class TemperatureSchedule:
         return {"start": self.start, "end": self.end, "steps": self.steps}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.__init__(state["start"], state["end"], state["steps"])
+        """Restores :meth:`state_dict`'s output; checked first (a missing key is a
+        ``ValueError`` naming it), unchanged when it raises."""
+        fresh = TemperatureSchedule(*_state_values(state, ("start", "end", "steps"), {}, "TemperatureSchedule"))
+        self.__dict__.update(fresh.__dict__)

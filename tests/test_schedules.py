@@ -87,3 +87,65 @@ def test_temperature_schedule():
         TemperatureSchedule(1.0, 0.0, 10)
     with pytest.raises(ValueError, match="steps"):
         TemperatureSchedule(1.0, 0.1, 0)
+
+
+# --- audit fixes: argument handling ---------------------------------------------------------------
+
+
+def test_huge_numbers_are_value_errors():
+    for call, name in [(lambda: DensitySchedule.from_acceleration(10**400, 0, 10), "alpha"),
+                       (lambda: DensitySchedule(10**400, 0, 10), "target"),
+                       (lambda: DensitySchedule(0.5, 0, 10, power=10**400), "power"),
+                       (lambda: DensitySchedule(0.5, 0, 10).budget(3, 10**400), "total"),
+                       (lambda: TemperatureSchedule(10**400, 0.1, 10), "start")]:
+        with pytest.raises(ValueError, match=name):  # were OverflowError
+            call()
+
+
+def test_numpy_integers_and_numbers_are_accepted_everywhere():
+    s = DensitySchedule(np.float32(0.25), np.int64(10), np.int64(20), power=np.int64(3))
+    assert s.start == 10 and type(s.start) is int and s.power == 3.0
+    assert [s(i) for i in range(25)] == [DensitySchedule(0.25, 10, 20, power=3)(i) for i in range(25)]
+    assert TemperatureSchedule(1.0, 0.1, np.int64(10))(5) == TemperatureSchedule(1.0, 0.1, 10)(5)
+
+
+@pytest.mark.parametrize("power", [True, "3", None, [3]])
+def test_power_of_the_wrong_type_is_a_type_error(power):
+    with pytest.raises(TypeError, match="power"):
+        DensitySchedule(0.5, 0, 10, power=power)
+
+
+@pytest.mark.parametrize("power", [0, -1, float("nan"), float("inf")])
+def test_power_out_of_range_is_a_value_error(power):
+    with pytest.raises(ValueError, match="power"):
+        DensitySchedule(0.5, 0, 10, power=power)
+
+
+def test_budget_checks_total():
+    s = DensitySchedule(0.5, 0, 10)
+    assert s.budget(5, 200) == pytest.approx(150.0) and s.budget(5, torch.tensor(200.0)) == pytest.approx(150.0)
+    assert s.budget(5, 0) == 0.0
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="total"):
+            s.budget(5, bad)
+    for bad in ("200", True, None):
+        with pytest.raises(TypeError, match="total"):
+            s.budget(5, bad)
+
+
+def test_load_state_dict_names_a_missing_key_and_changes_nothing():
+    s = DensitySchedule(0.2, 5, 50, power=2)
+    before = dict(s.__dict__)
+    with pytest.raises(ValueError, match="end"):
+        s.load_state_dict({"target": 0.5, "start": 1})  # was KeyError
+    with pytest.raises(ValueError, match="target"):
+        s.load_state_dict({"target": 5.0, "start": 1, "end": 3})
+    with pytest.raises(TypeError, match="state"):
+        s.load_state_dict([0.5, 1, 3])
+    assert s.__dict__ == before
+    s.load_state_dict({"target": 0.5, "start": 1, "end": 3})  # an old state without power: linear
+    assert s.power == 1.0 and s.end == 3
+    t = TemperatureSchedule(1.0, 0.1, 10)
+    with pytest.raises(ValueError, match="steps"):
+        t.load_state_dict({"start": 2.0, "end": 0.5})
+    assert (t.start, t.end, t.steps) == (1.0, 0.1, 10)

@@ -11,6 +11,16 @@ optionally hard (``1[y > 0.5]``) with a straight-through gradient
 (``hard - y.detach() + y``); ``tau`` is annealed. At evaluation the mask is
 deterministic: ``theta > 0.5``, or exactly the ``k`` largest scores. The scores
 are kept in the budget by :class:`prunopt.optim.BudgetProjection`.
+
+The logit is taken of ``theta`` clamped to ``[1e-6, 1 - 1e-6]`` with a
+straight-through gradient: a score the projection puts at exactly 0 or 1 still
+gets the gradient of the logit at the clamp point, so it can move again.
+
+The model-level helpers (:func:`probmask_modules`, :func:`probmask_scores`,
+:func:`set_temperature`, :func:`finalize_probmask`, :func:`probmask_density`)
+cover every mask of a model: the weight masks of :func:`apply_probmask` and the
+input masks of :class:`ProbMaskInput` layers. Tied weights (layers holding the
+same ``Parameter``) share one :class:`ProbMask`, counted once.
 """
 from __future__ import annotations
 
@@ -40,12 +50,16 @@ _EPS = 1e-6
 
 def _real(value, name: str) -> float:
     """``value`` as a float: ``TypeError`` naming ``name`` unless a real number
-    (int, float, numpy scalar, one-element tensor; not a bool)."""
+    (int, float, numpy scalar, one-element tensor; not a bool); an int too
+    large for a float is a ``ValueError``."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
 
 
 def gumbel_sigmoid(theta: Tensor, tau: float, hard: bool = False, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -53,16 +67,38 @@ def gumbel_sigmoid(theta: Tensor, tau: float, hard: bool = False, generator: Opt
 
     ``y = sigmoid((logit(theta) + log u - log(1 - u)) / tau)``; with ``hard=True``
     the forward value is ``1[y > 0.5]`` and the gradient is that of ``y``
-    (straight-through). ``theta`` is clamped to ``[1e-6, 1 - 1e-6]`` for the logit;
-    a NaN score gives a NaN sample, as ``torch.sigmoid`` does (no host sync to check).
+    (straight-through).
+
+    ``theta`` is clamped to ``[1e-6, 1 - 1e-6]`` for the logit (in float16 and
+    bfloat16, where ``1 - 1e-6`` rounds to 1, the upper bound is the largest
+    value below 1), with a straight-through gradient: the forward value is that
+    of the clamped score, and ``d y / d theta`` is the logit's derivative at
+    the clamp point for every score, so a score at exactly 0 or 1 (where the
+    budget projection puts many) keeps a non-zero, finite gradient and can move
+    again (ProbMask's code keeps one too, with ``log(theta + eps)``). Inside the
+    clamp range values and gradients are those of the plain formula. Like any
+    sigmoid, a sample that saturates in its dtype (very low ``tau``) has a
+    vanishing gradient. A NaN score gives a NaN sample, as ``torch.sigmoid``
+    does (no host sync to check).
     """
     if not isinstance(theta, Tensor):
         raise TypeError(f"theta must be a tensor, got {type(theta).__name__}")
     tau = _real(tau, "tau")
     if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be a finite number > 0, got {tau}")
-    p = theta.clamp(_EPS, 1 - _EPS)
-    u = torch.rand(p.shape, dtype=p.dtype, device=p.device, generator=generator).clamp(_EPS, 1 - _EPS)
+    if not theta.is_floating_point():
+        raise TypeError(f"theta must be a floating-point tensor, got {theta.dtype}")
+    # 1 - 1e-6 rounds to 1 in float16/bfloat16 (logit +inf, NaN gradient): there
+    # the upper bound is the largest value below 1, 1 - eps/2
+    hi = min(1 - _EPS, 1 - torch.finfo(theta.dtype).eps / 2)
+    p = theta.detach().clamp(_EPS, hi)
+    if theta.requires_grad:
+        # straight-through clamp: forward value p exactly, gradient 1 to theta
+        # everywhere (a plain clamp has gradient 0 outside (eps, 1 - eps), so a
+        # projected score at 0 or 1 could never move again). nan_to_num keeps
+        # an infinite score at the clamped value, as the plain clamp did.
+        p = p + (theta - theta.detach()).nan_to_num(0.0, 0.0, 0.0)
+    u = torch.rand(p.shape, dtype=p.dtype, device=p.device, generator=generator).clamp(_EPS, hi)
     y = torch.sigmoid((torch.log(p) - torch.log1p(-p) + torch.log(u) - torch.log1p(-u)) / tau)
     if hard:
         return (y > 0.5).to(y.dtype) - y.detach() + y
@@ -114,12 +150,20 @@ class ProbMask(nn.Module):
         return weight * self.mask()
 
     def fix(self, mask: Tensor) -> None:
-        """Freezes the mask to a binary tensor (used by :func:`finalize_probmask`)."""
+        """Freezes the mask to a binary tensor (used by :func:`finalize_probmask`):
+        a bool tensor, or a real one holding only 0 and 1, of the scores' shape.
+        Any other value (e.g. 0.3, NaN) is a ``ValueError``; a complex tensor a
+        ``TypeError``. Nothing changes when it raises."""
         if not isinstance(mask, Tensor):
             raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
+        if mask.is_complex():
+            raise TypeError(f"mask must be a bool or real tensor of 0s and 1s, got {mask.dtype}")
         if mask.shape != self.scores.shape:
             raise ValueError(f"mask must have shape {tuple(self.scores.shape)}, got {tuple(mask.shape)}")
-        self.fixed = mask.detach().to(device=self.scores.device, dtype=torch.bool).clone()
+        mask = mask.detach()
+        if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("mask must be binary (bool, or only 0s and 1s); it holds other values")
+        self.fixed = mask.to(device=self.scores.device, dtype=torch.bool).clone()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -153,6 +197,12 @@ class ProbMaskInput(nn.Module):
     k-space sampling pattern), ``x -> x * m`` with ``m`` broadcast over the
     leading dimensions. Training samples the Gumbel-sigmoid mask; evaluation
     uses the fixed mask or ``scores > 0.5``.
+
+    The model-level helpers (:func:`probmask_scores`, :func:`set_temperature`,
+    :func:`finalize_probmask`, :func:`probmask_density`) include its mask, on
+    the model that holds it or on the layer alone (``finalize_probmask(layer,
+    d)`` gives it its own budget); :func:`remove_probmask` leaves the layer in
+    place (it is a layer of the model, not a weight parametrization).
 
     Args:
         shape: the mask shape (the trailing dimensions of the input).
@@ -192,63 +242,216 @@ def _topk_mask(scores: List[Tensor], k: int) -> List[Tensor]:
     return out
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+
+def _weight_state(name: str, module: nn.Module) -> Tuple[Optional[ProbMask], nn.Parameter]:
+    """``(existing ProbMask or None, the weight Parameter)`` of a layer to mask;
+    ``ValueError`` naming the layer when its weight cannot carry a ProbMask."""
+    label = repr(name) if name else "'' (the model itself)"
+    if parametrize.is_parametrized(module, "weight"):
+        plist = list(module.parametrizations.weight)
+        if len(plist) == 1 and isinstance(plist[0], ProbMask):
+            return plist[0], module.parametrizations.weight.original
+        kinds = [type(p).__name__ for p in plist]
+        raise ValueError(
+            f"layer {label} has a weight already parametrized by {kinds} (e.g. "
+            "torch.nn.utils.parametrizations.weight_norm); apply_probmask masks plain weights only: remove that "
+            "parametrization first or exclude the layer")
+    p = module._parameters.get("weight")
+    if p is None:
+        if isinstance(getattr(module, "weight", None), Tensor):
+            raise ValueError(
+                f"layer {label} has a weight that is not a Parameter of the layer but computed by a forward "
+                "pre-hook (torch.nn.utils.prune, torch.nn.utils.weight_norm or spectral_norm): remove it first "
+                "(e.g. torch.nn.utils.prune.remove) or exclude the layer")
+        raise ValueError(f"layer {label} ({type(module).__name__}) has no weight to mask (e.g. a norm layer with "
+                         "affine=False): exclude it or leave its type out of layer_types")
+    if nn.parameter.is_lazy(p):
+        raise ValueError(f"layer {label} is uninitialized (a lazy module): run a forward pass before "
+                         "apply_probmask, or exclude the layer")
+    if not p.is_floating_point():
+        raise ValueError(f"layer {label} has a {p.dtype} weight; a ProbMask needs a floating-point weight")
+    return None, p
+
+
+def _parameter_holders(model: nn.Module) -> dict:
+    """``id(Parameter) -> [(layer name, attribute), ...]``: every place of the
+    model that holds each Parameter (a parametrized tensor's ``original`` is
+    attributed to its layer and tensor name)."""
+    holders: dict = {}
+    for mname, m in model.named_modules():
+        for pname, p in m._parameters.items():
+            if p is None:
+                continue
+            owner, attr = mname, pname
+            if isinstance(m, parametrize.ParametrizationList) and ".parametrizations." in "." + mname:
+                owner, _, attr = ("." + mname).rpartition(".parametrizations.")
+                owner = owner[1:]
+            holders.setdefault(id(p), []).append((owner, attr))
+    return holders
+
+
 def apply_probmask(model: nn.Module, layer_types: Tuple[Type[nn.Module], ...] = (nn.Linear, nn.Conv2d),
                    init: float = 1.0, tau: float = 1.0, hard: bool = False,
                    exclude: Iterable[str] = ()) -> List[Tuple[str, ProbMask]]:
     """Wraps the ``weight`` of every module of ``layer_types`` (except the
     qualified names in ``exclude``) with a :class:`ProbMask` parametrization.
-    Returns ``[(qualified_name, mask), ...]``."""
+
+    Layers whose weight already carries a ProbMask (an earlier call) are
+    skipped; when every selected layer is, it is a ``ValueError`` saying so.
+
+    **Tied weights.** Layers that hold the same weight ``Parameter`` (e.g.
+    ``b.weight = a.weight``) get one shared ProbMask: one set of scores,
+    counted once by the model-level helpers, and :func:`remove_probmask` bakes
+    it once and keeps the tie. In eval mode (or once fixed) every use computes
+    with the same mask; in training mode every use draws its own
+    Gumbel-sigmoid sample from the shared scores, as one layer called twice
+    does. Every holder of a tied Parameter must be masked: a tie with a layer
+    that is excluded, not of ``layer_types`` or holds it under another name is
+    a ``ValueError`` naming both (masking one use would change the other when
+    the mask is baked in).
+
+    **Errors.** Every selected layer is checked before any is changed: a
+    weight that is missing (``BatchNorm1d(affine=False)``), uninitialized
+    (lazy modules), computed by a hook (``torch.nn.utils.prune``, the old
+    ``weight_norm``) or already parametrized by anything but a ProbMask
+    (``torch.nn.utils.parametrizations.weight_norm``) is a ``ValueError``
+    naming the layer, and the model is left as it was.
+
+    Returns ``[(qualified_name, mask), ...]``: one entry per ProbMask this
+    call registered, under the first (in module order) of the layers that
+    share it.
+    """
+    _check_model(model)
     if isinstance(layer_types, type):
         layer_types = (layer_types,)
     if not isinstance(layer_types, tuple) or not layer_types or not all(isinstance(t, type) for t in layer_types):
         raise TypeError(f"layer_types must be a module class or a non-empty tuple of them, got {layer_types!r}")
+    init, tau = _real(init, "init"), _real(tau, "tau")
+    if not (0.0 <= init <= 1.0):
+        raise ValueError(f"init must be in [0, 1], got {init}")
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau must be a finite number > 0, got {tau}")
+    if isinstance(exclude, str):
+        raise TypeError(f"exclude must be an iterable of module names, not a string ({exclude!r}); "
+                        f"write [{exclude!r}]")
     exclude = set(exclude)
     known = {name for name, _ in model.named_modules()}
     unknown = exclude - known
     if unknown:
         raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
-    out = []
-    for name, module in list(model.named_modules()):
-        if name in exclude or not isinstance(module, layer_types) or parametrize.is_parametrized(module, "weight"):
+
+    # 1. check every selected layer; group them by weight Parameter (ties)
+    groups: "dict[int, list]" = {}
+    for name, module in model.named_modules():
+        if name in exclude or not isinstance(module, layer_types):
             continue
-        w = module.weight
-        pm = ProbMask(w.shape, init=init, tau=tau, hard=hard, dtype=w.dtype, device=w.device)
-        parametrize.register_parametrization(module, "weight", pm)
-        out.append((name, pm))
-    if not out:
+        pm, param = _weight_state(name, module)
+        groups.setdefault(id(param), []).append((name, module, pm, param))
+    if not groups:
         raise ValueError("the model has no layer of the requested types to mask")
+    holders = _parameter_holders(model)
+    plan, already = [], []
+    for group in groups.values():
+        plain = [(name, module) for name, module, pm, _ in group if pm is None]
+        if not plain:
+            already.extend(name for name, *_ in group)
+            continue
+        names = [name for name, *_ in group]
+        param = group[0][3]
+        others = [h for h in holders.get(id(param), []) if not (h[1] == "weight" and h[0] in names)]
+        if others:
+            where = ", ".join(repr(f"{n}.{a}" if n else a) for n, a in others)
+            raise ValueError(
+                f"the weight of layer {names[0]!r} is tied to {where}, which would not be masked (excluded, not of "
+                "layer_types, or held under another name): a tied weight has one mask, so mask all its uses "
+                "or exclude them all")
+        existing = list({id(pm): pm for _, _, pm, _ in group if pm is not None}.values())
+        if len(existing) > 1:
+            raise ValueError(f"tied layers {names} share one weight but carry different ProbMasks: call "
+                             "remove_probmask(model) first")
+        pm = existing[0] if existing else None
+        plan.append((names[0], pm, param, plain))
+    if not plan:
+        raise ValueError(f"the layers of the requested types are already masked by a ProbMask: {already}")
+
+    # 2. register; an error undoes what was done
+    out, done = [], []
+    try:
+        for first, pm, param, plain in plan:
+            if pm is None:
+                pm = ProbMask(param.shape, init=init, tau=tau, hard=hard, dtype=param.dtype, device=param.device)
+            for _, module in plain:
+                parametrize.register_parametrization(module, "weight", pm)
+                done.append(module)
+            out.append((first, pm))
+    except BaseException:
+        for module in reversed(done):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+        raise
     return out
 
 
-def probmask_modules(model: nn.Module) -> List[Tuple[str, ProbMask]]:
-    """``[(qualified module name, ProbMask), ...]`` of a model."""
+def _weight_uses(model: nn.Module) -> List[Tuple[str, nn.Module, ProbMask]]:
+    """``(layer name, layer, ProbMask)`` for every layer whose weight carries a
+    ProbMask, in module order (tied layers each listed, with the shared mask)."""
     out = []
     for name, module in model.named_modules():
         if parametrize.is_parametrized(module, "weight"):
             for p in module.parametrizations["weight"]:
                 if isinstance(p, ProbMask):
-                    out.append((name, p))
+                    out.append((name, module, p))
+    return out
+
+
+def probmask_modules(model: nn.Module) -> List[Tuple[str, ProbMask]]:
+    """``[(qualified module name, ProbMask), ...]``: every distinct mask of the
+    model in module order, the weight masks (under the layer's name) and the
+    masks of :class:`ProbMaskInput` layers (under that layer's name). A
+    ProbMask shared by tied layers is listed once, under the first of them."""
+    _check_model(model)
+    out, seen = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, ProbMaskInput):
+            found = [module.mask_module]
+        elif parametrize.is_parametrized(module, "weight"):
+            found = [p for p in module.parametrizations["weight"] if isinstance(p, ProbMask)]
+        else:
+            continue
+        for pm in found:
+            if id(pm) not in seen:
+                seen.add(id(pm))
+                out.append((name, pm))
     return out
 
 
 def probmask_scores(model: nn.Module) -> List[nn.Parameter]:
-    """The score parameters of every ProbMask in the model (to optimize and to
-    keep in budget with :class:`prunopt.optim.BudgetProjection`)."""
+    """The score parameters of every mask in the model (weight masks and
+    :class:`ProbMaskInput` masks, each once; see :func:`probmask_modules`), to
+    optimize and to keep in budget with :class:`prunopt.optim.BudgetProjection`."""
     return [pm.scores for _, pm in probmask_modules(model)]
 
 
 def set_temperature(model: nn.Module, tau: float) -> None:
-    """Sets the Gumbel-sigmoid temperature of every mask in the model."""
+    """Sets the Gumbel-sigmoid temperature of every mask in the model (weight
+    masks and :class:`ProbMaskInput` masks)."""
+    tau = _real(tau, "tau")
     if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be a finite number > 0, got {tau}")
     for _, pm in probmask_modules(model):
-        pm.tau = float(tau)
+        pm.tau = tau
 
 
 def finalize_probmask(model: nn.Module, density: float) -> int:
-    """Fixes every mask to the deterministic global top-``k`` scores with
-    ``k = round(density * D)`` (D = number of masked weights): exactly the
-    budgeted number of ones. Returns ``k``."""
+    """Fixes every mask of the model (weight masks and :class:`ProbMaskInput`
+    masks, see :func:`probmask_modules`) to the deterministic global top-``k``
+    scores with ``k = round(density * D)`` (D = number of scores, a tied
+    weight's counted once): exactly the budgeted number of ones over all masks
+    jointly. For separate budgets call it on submodules, or use
+    ``pm.fix(pm.deterministic_mask(k))`` on one mask. Returns ``k``."""
     density = _real(density, "density")
     if not (0.0 <= density <= 1.0):
         raise ValueError(f"density must be in [0, 1], got {density}")
@@ -263,18 +466,37 @@ def finalize_probmask(model: nn.Module, density: float) -> int:
 
 
 def remove_probmask(model: nn.Module) -> None:
-    """Bakes the (fixed or deterministic) masks into the weights and removes the
-    parametrizations, leaving a plain model."""
-    for name, pm in probmask_modules(model):
-        module = model.get_submodule(name)
+    """Bakes the (fixed or deterministic) weight masks into the weights and
+    removes the parametrizations, leaving a plain model; the weights stay the
+    same ``Parameter`` objects (optimizers stay valid). A mask shared by tied
+    layers is baked once and the layers still share their Parameter after.
+    :class:`ProbMaskInput` layers are left in place. A weight that carries a
+    ProbMask and another parametrization is a ``ValueError`` naming the layer,
+    raised before any layer is changed."""
+    _check_model(model)
+    uses = _weight_uses(model)
+    for name, module, _ in uses:
+        kinds = [type(p).__name__ for p in module.parametrizations["weight"]]
+        if len(kinds) != 1:
+            raise ValueError(f"layer {name!r} has parametrizations {kinds} besides its ProbMask; remove the others "
+                             "first")
+    baked = set()
+    for _, module, pm in uses:
+        if id(pm) in baked:  # a tied layer: its shared Parameter already holds the masked weight
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            continue
         was_training = pm.training
         pm.eval()
-        parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
-        pm.train(was_training)
+        try:
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+        finally:
+            pm.train(was_training)
+        baked.add(id(pm))
 
 
 def probmask_density(model: nn.Module) -> float:
-    """Fraction of masked weights whose (fixed or deterministic) mask is 1."""
+    """Fraction of mask entries (weight masks and :class:`ProbMaskInput`
+    masks, a tied weight's counted once) whose fixed or deterministic mask is 1."""
     masks = probmask_modules(model)
     if not masks:
         raise ValueError("the model has no ProbMask")
@@ -284,4 +506,6 @@ def probmask_density(model: nn.Module) -> float:
         m = pm.fixed if pm.fixed.numel() else pm.deterministic_mask()
         ones += int(m.sum().item())
         total += m.numel()
+    if total == 0:
+        raise ValueError("the model's masks have no entries: the density is undefined")
     return ones / total

@@ -41,25 +41,30 @@ class BudgetProjection:
         density: a float in [0, 1], a ``DensitySchedule`` or any callable
             ``step -> density``.
         cost: optional positive costs, one tensor per parameter, same shapes.
+
+    Everything is checked here (``TypeError``/``ValueError`` naming the
+    argument), not at the first :meth:`step`, which when attached runs after
+    ``optimizer.step()`` has already moved the parameters: ``params`` must be
+    distinct real floating-point tensors of one dtype on one device that do not
+    share memory; each ``cost[i]`` a finite, positive tensor of ``params[i]``'s
+    shape, dtype and device; ``density`` a number in [0, 1] or a callable.
     """
 
     def __init__(self, params: Iterable[Tensor], density: Density, cost: Optional[Sequence[Tensor]] = None):
+        # everything is checked here, not at the first step(): attached to an
+        # optimizer, that step runs after optimizer.step() has moved the params
+        if isinstance(params, Tensor):
+            raise TypeError("params must be an iterable of tensors, got a single tensor: write [params]")
         self.params: List[Tensor] = list(params)
         if not self.params:
             raise ValueError("params must contain at least one tensor")
-        for i, p in enumerate(self.params):
-            if not isinstance(p, Tensor):
-                raise TypeError(f"params[{i}] must be a Tensor, got {type(p).__name__}")
+        _check_params(self.params)
         self.density = _check_density(density)
         if cost is not None:
+            if isinstance(cost, Tensor):
+                raise TypeError("cost must be a sequence of tensors, one per parameter, got a single tensor")
             cost = list(cost)
-            if len(cost) != len(self.params):
-                raise ValueError(f"cost must have one tensor per parameter ({len(self.params)}), got {len(cost)}")
-            for i, (c, p) in enumerate(zip(cost, self.params)):
-                if not isinstance(c, Tensor) or c.shape != p.shape:
-                    raise ValueError(f"cost[{i}] must be a tensor of shape {tuple(p.shape)}")
-                if not bool(((c > 0) & torch.isfinite(c)).all()):
-                    raise ValueError(f"cost[{i}] must be finite and > 0 everywhere")
+            _check_cost(cost, self.params)
         self.cost = cost
         self.total = float(sum(c.double().sum().item() for c in cost)) if cost else float(sum(p.numel() for p in self.params))
         if not math.isfinite(self.total):
@@ -69,7 +74,12 @@ class BudgetProjection:
 
     def current_density(self) -> float:
         if callable(self.density):
-            d = float(self.density(self.step_count))
+            d = self.density(self.step_count)
+            try:
+                d = float(d)
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"the density schedule returned a {type(d).__name__} that is not a number in "
+                                 f"[0, 1] at step {self.step_count}") from None
             if not (0.0 <= d <= 1.0):
                 raise ValueError(f"the density schedule returned {d} at step {self.step_count}; expected [0, 1]")
             return d
@@ -127,9 +137,99 @@ class BudgetProjection:
         self.density = density
 
 
+def _check_params(params: List[Tensor]) -> None:
+    """``params``: distinct real floating tensors of one dtype on one device
+    (what the projection op needs), each named ``params[i]`` when wrong."""
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params[{i}] must be a Tensor, got {type(p).__name__}")
+        if not p.is_floating_point():
+            raise ValueError(f"params[{i}] must be a real floating-point tensor (scores), got {p.dtype}")
+        if p.dtype != params[0].dtype:
+            raise ValueError(f"params[{i}] is {p.dtype} but params[0] is {params[0].dtype}: params must share one "
+                             "dtype")
+        if p.device != params[0].device:
+            raise ValueError(f"params[{i}] is on {p.device} but params[0] is on {params[0].device}: params must be on "
+                             "one device")
+    _check_no_shared_memory(params)
+
+
+def _element_offsets(t: Tensor) -> Tensor:
+    """Storage offsets of every element of ``t`` (int64, ``numel`` values)."""
+    off = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return off.reshape(-1)
+
+
+def _check_no_shared_memory(params: List[Tensor]) -> None:
+    """``ValueError`` when a parameter is given twice, overlaps another one or
+    itself (an ``expand()``-ed tensor): its elements would count twice against
+    the budget, and the in-place projection rejects it."""
+    seen = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(f"params[{seen[id(p)]}] and params[{i}] are the same tensor: give each tensor once")
+        seen[id(p)] = i
+    by_storage: Dict[Any, List[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0 or p.device.type == "meta":
+            continue
+        by_storage.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(i)
+        if _may_overlap_itself(p) and int(torch.unique(_element_offsets(p)).numel()) < p.numel():
+            raise ValueError(f"params[{i}] has elements sharing one memory location (e.g. an expand()-ed "
+                             "tensor); clone() it")
+    for idx in by_storage.values():
+        for a in range(len(idx)):
+            for b in range(a + 1, len(idx)):
+                pa, pb = params[idx[a]], params[idx[b]]
+                (lo_a, hi_a), (lo_b, hi_b) = _span(pa), _span(pb)
+                if hi_a < lo_b or hi_b < lo_a:
+                    continue  # disjoint ranges of one storage
+                if bool(torch.isin(_element_offsets(pa), _element_offsets(pb)).any()):
+                    raise ValueError(f"params[{idx[a]}] and params[{idx[b]}] share memory (overlapping views): "
+                                     "their elements would count twice against the budget")
+
+
+def _span(t: Tensor):
+    lo = t.storage_offset()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
+def _may_overlap_itself(t: Tensor) -> bool:
+    """False when the strides prove that every element has its own location."""
+    reach = 0  # the largest offset reachable with the dimensions of smaller stride
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _check_cost(cost: List[Tensor], params: List[Tensor]) -> None:
+    """One finite, positive cost tensor per parameter, of its shape, dtype and device."""
+    if len(cost) != len(params):
+        raise ValueError(f"cost must have one tensor per parameter ({len(params)}), got {len(cost)}")
+    for i, (c, p) in enumerate(zip(cost, params)):
+        if not isinstance(c, Tensor):
+            raise TypeError(f"cost[{i}] must be a Tensor, got {type(c).__name__}")
+        if c.shape != p.shape:
+            raise ValueError(f"cost[{i}] must be a tensor of shape {tuple(p.shape)}, got {tuple(c.shape)}")
+        if c.dtype != p.dtype:
+            raise ValueError(f"cost[{i}] must have the dtype of params[{i}] ({p.dtype}), got {c.dtype}")
+        if c.device != p.device:
+            raise ValueError(f"cost[{i}] must be on the device of params[{i}] ({p.device}), got {c.device}")
+        if not bool(((c > 0) & torch.isfinite(c)).all()):
+            raise ValueError(f"cost[{i}] must be finite and > 0 everywhere")
+
+
 def _check_density(density):
     if isinstance(density, numbers.Real) and not isinstance(density, bool):
-        if not (math.isfinite(density) and 0.0 <= density <= 1.0):
+        try:
+            value = float(density)
+        except OverflowError:
+            raise ValueError("density must be in [0, 1], got an int too large for a float") from None
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise ValueError(f"density must be in [0, 1], got {density}")
         return density
     if not callable(density):

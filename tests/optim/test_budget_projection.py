@@ -128,3 +128,53 @@ def test_numpy_density():
     np = pytest.importorskip("numpy")
     proj = BudgetProjection(_scores(), np.float32(0.25))
     assert proj.budget() == pytest.approx(0.25 * proj.total)
+
+
+# --- audit fixes: everything is checked at construction --------------------------------------
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: ([torch.rand(3)], dict(cost=[torch.ones(3, dtype=torch.float64)])), ValueError, r"cost\[0\].*dtype"),
+    (lambda: ([torch.rand(3)], dict(cost=[torch.ones(3, device="meta")])), ValueError, r"cost\[0\].*device"),
+    (lambda: ([torch.rand(3)], dict(cost=[[1.0, 1.0, 1.0]])), TypeError, r"cost\[0\]"),
+    (lambda: ([torch.rand(3)], dict(cost=torch.ones(3))), TypeError, "cost"),
+    (lambda: ([torch.ones(3, dtype=torch.int64)], {}), ValueError, r"params\[0\].*floating"),
+    (lambda: ([torch.rand(3), torch.rand(2, dtype=torch.float64)], {}), ValueError, r"params\[1\].*dtype"),
+    (lambda: ([torch.rand(3), torch.rand(2, device="meta")], {}), ValueError, r"params\[1\].*device"),
+    (lambda: ([torch.rand(3), "x"], {}), TypeError, r"params\[1\]"),
+    (lambda: (torch.rand(3), {}), TypeError, "params"),
+])
+def test_construction_checks_params_and_cost(make, exc, match):
+    params, kw = make()
+    with pytest.raises(exc, match=match):
+        BudgetProjection(params, 0.5, **kw)
+
+
+def test_params_sharing_memory_are_rejected_at_construction():
+    x = torch.rand(10)
+    for params, match in [([x, x], r"params\[0\] and params\[1\]"), ([x[:6], x[4:]], r"params\[0\] and params\[1\]"),
+                          ([torch.rand(1).expand(4)], r"params\[0\]")]:
+        with pytest.raises(ValueError, match=match):
+            BudgetProjection(params, 0.5)
+    BudgetProjection([x[::2], x[1::2]], 0.5).step()  # interleaved views share no element: fine
+    BudgetProjection([torch.rand(3, 4).t()], 0.5).step()
+
+
+def test_bad_cost_never_reaches_an_attached_step():
+    # used to be accepted: the first attached step raised after optimizer.step() had moved the scores
+    p = torch.nn.Parameter(torch.full((4,), 0.5))
+    with pytest.raises(ValueError, match=r"cost\[0\]"):
+        BudgetProjection([p], 0.5, cost=[torch.ones(4, dtype=torch.float64)])
+
+
+def test_huge_density_is_a_value_error():
+    with pytest.raises(ValueError, match="density"):
+        BudgetProjection(_scores(), 10**400)  # was OverflowError
+    proj = BudgetProjection(_scores(), 0.5)
+    with pytest.raises(ValueError, match="density"):
+        proj.load_state_dict({"step_count": 1, "density": 10**400})
+    assert proj.step_count == 0 and proj.density == 0.5
+    bad = BudgetProjection(_scores(), lambda step: "half")
+    with pytest.raises(ValueError, match="density"):
+        bad.step()
+    assert bad.step_count == 0
