@@ -25,12 +25,13 @@ same ``Parameter``) share one :class:`ProbMask`, counted once.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Iterable, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+
+from prunopt.schedules import _real
 
 __all__ = [
     "gumbel_sigmoid",
@@ -46,20 +47,6 @@ __all__ = [
 ]
 
 _EPS = 1e-6
-
-
-def _real(value, name: str) -> float:
-    """``value`` as a float: ``TypeError`` naming ``name`` unless a real number
-    (int, float, numpy scalar, one-element tensor; not a bool); an int too
-    large for a float is a ``ValueError``."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
 
 
 def gumbel_sigmoid(theta: Tensor, tau: float, hard: bool = False, generator: Optional[torch.Generator] = None) -> Tensor:

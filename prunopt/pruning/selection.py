@@ -38,6 +38,16 @@ def check_sparsity(p, name: str = "sparsity") -> float:
     return p
 
 
+def _check_layer_keys(given: Mapping, expected, name: str, what: str) -> None:
+    """``ValueError`` naming ``name`` unless ``given`` has exactly the layer names of ``expected``."""
+    unknown = [k for k in given if k not in expected]
+    missing = [k for k in expected if k not in given]
+    if unknown:
+        raise ValueError(f"{name}: unknown layer name(s) {unknown}")
+    if missing:
+        raise ValueError(f"{name}: no {what} for layer(s) {missing}")
+
+
 def kept_count(sparsity: float, d: int) -> int:
     """``k = floor((1 - p) * d)`` (eq. A.39), clamped to ``[0, d]``.
 
@@ -110,12 +120,7 @@ def layerwise_masks(
     scored tensor."""
     _check_scores(scores)
     if isinstance(sparsity, Mapping):
-        unknown = [n for n in sparsity if n not in scores]
-        missing = [n for n in scores if n not in sparsity]
-        if unknown:
-            raise ValueError(f"sparsity: unknown layer name(s) {unknown}")
-        if missing:
-            raise ValueError(f"sparsity: no rate for layer(s) {missing}")
+        _check_layer_keys(sparsity, scores, "sparsity", "rate")
         rates = {n: check_sparsity(sparsity[n], f"sparsity[{n!r}]") for n in scores}
     else:
         p = check_sparsity(sparsity)
@@ -143,12 +148,7 @@ def _check_numels(shapes: Mapping[str, Sequence[int]], numels: Optional[Mapping[
         return n
     if not isinstance(numels, Mapping):
         raise TypeError(f"numels must be a mapping of layer names to ints, got {type(numels).__name__}")
-    unknown = [k for k in numels if k not in shapes]
-    missing = [k for k in shapes if k not in numels]
-    if unknown:
-        raise ValueError(f"numels: unknown layer name(s) {unknown}")
-    if missing:
-        raise ValueError(f"numels: no entry count for layer(s) {missing}")
+    _check_layer_keys(numels, shapes, "numels", "entry count")
     for k in shapes:
         v = numels[k]
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
