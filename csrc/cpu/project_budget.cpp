@@ -563,7 +563,8 @@ double solve_lambda_histogram(const std::vector<Segment>& segs, int64_t total, d
       const long long keys_in_bracket = piece ? r.hist[0].keys() : -1;
       if (keys_in_bracket == 0) {
         // no breakpoint in [lo, hi): phi is linear there, with the direct sums at lo
-        const double lam = projection::piece_root(direct, budget, hi);
+        // (no free element: phi is a constant > 0 there, the root lies above)
+        const double lam = projection::piece_root(direct, budget, std::numeric_limits<double>::infinity());
         if (lam <= hi) {
           return std::max(lam, lo);
         }

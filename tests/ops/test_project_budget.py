@@ -1,5 +1,6 @@
 """prunopt.ops.project_budget: kernel vs float64 sort-based oracle (SPEC.md §1)."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -404,10 +405,19 @@ def adversarial_case(draw):
     return n, dtype, seed, pattern, period, density, with_cost
 
 
-@given(adversarial_case())
-@example((1 << 15, torch.float32, 0, "strided", 32 * 8 // 8 * 4, 0.1, False))
-@example((70_001, torch.float32, 1, "ties", 64, 0.3, False))
-def test_adversarial_large_inputs(case):
+@given(adversarial_case(), st.sampled_from(["default", "histogram"]))
+@example((1 << 15, torch.float32, 0, "strided", 32 * 8 // 8 * 4, 0.1, False), "default")
+@example((70_001, torch.float32, 1, "ties", 64, 0.3, False), "default")
+@example((70_001, torch.float64, 1, "tiny_free", 64, 0.3, True), "histogram")
+def test_adversarial_large_inputs(case, solver):
+    # solver="histogram": the fallback alone (PRUNOPT_PROJECTION_SOLVER), on the same patterns
+    if solver == "histogram" and not prunopt.extension_available():
+        return
+    with _solver_env(solver):
+        _adversarial_case(case)
+
+
+def _adversarial_case(case):
     n, dtype, seed, pattern, period, density, with_cost = case
     g = torch.Generator().manual_seed(seed)
     t = torch.rand(n, generator=g, dtype=torch.float64) * 1.2
@@ -428,6 +438,24 @@ def test_adversarial_large_inputs(case):
     t = t.to(dtype)
     c = None if c is None else c.to(dtype)
     _assert_exact(t, S, c, scale=6.0 if c is not None else 6.0)
+
+
+class _solver_env:
+    """Sets PRUNOPT_PROJECTION_SOLVER for a block (hypothesis tests cannot take monkeypatch)."""
+
+    def __init__(self, solver):
+        self.solver = solver
+
+    def __enter__(self):
+        self.old = os.environ.get("PRUNOPT_PROJECTION_SOLVER")
+        if self.solver == "histogram":
+            os.environ["PRUNOPT_PROJECTION_SOLVER"] = "histogram"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("PRUNOPT_PROJECTION_SOLVER", None)
+        else:
+            os.environ["PRUNOPT_PROJECTION_SOLVER"] = self.old
 
 
 @pytest.mark.parametrize("solver", ["default", "histogram"])
