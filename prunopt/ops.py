@@ -121,16 +121,18 @@ def _has_internal_overlap(t: Tensor) -> bool:
     return False
 
 
-def _check_no_overlap(thetas: List[Tensor]) -> None:
+def _check_no_overlap(thetas: List[Tensor], name: str = "theta") -> None:
     """ValueError if a tensor written in place overlaps itself or another one:
     the projection treats every element as a separate score, so aliased memory
-    would be counted twice against the budget and written twice."""
+    would be counted twice against the budget and written twice. ``name`` is
+    the argument the tensors came in (``theta[i]``, or ``params[i]`` for
+    :class:`prunopt.optim.BudgetProjection`)."""
     by_storage = {}
     for i, t in enumerate(thetas):
         if t.numel() == 0 or t.device.type == "meta":
             continue
         if _has_internal_overlap(t):
-            raise ValueError(f"theta[{i}] has elements sharing one memory location (e.g. an expand()-ed tensor); "
+            raise ValueError(f"{name}[{i}] has elements sharing one memory location (e.g. an expand()-ed tensor); "
                              "clone() it before projecting in place")
         by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
     for idx in by_storage.values():
@@ -144,10 +146,9 @@ def _check_no_overlap(thetas: List[Tensor]) -> None:
                 if hi_i < lo_j or hi_j < lo_i:
                     continue  # disjoint ranges of one storage
                 if ti is tj or bool(torch.isin(_element_offsets(ti), _element_offsets(tj)).any()):
-                    raise ValueError(f"theta[{i}] and theta[{j}] share memory (the same tensor twice or overlapping "
+                    raise ValueError(f"{name}[{i}] and {name}[{j}] share memory (the same tensor twice or overlapping "
                                      "views): their elements would count twice against the budget; pass each "
                                      "tensor once (or clone() one)")
-
 
 if extension_available():
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import torch
 from torch import Tensor
 
-from prunopt.ops import project_budget_
+from prunopt.ops import _check_no_overlap, project_budget_
 from prunopt.schedules import DensitySchedule
 
 __all__ = ["BudgetProjection"]
@@ -151,59 +151,7 @@ def _check_params(params: List[Tensor]) -> None:
         if p.device != params[0].device:
             raise ValueError(f"params[{i}] is on {p.device} but params[0] is on {params[0].device}: params must be on "
                              "one device")
-    _check_no_shared_memory(params)
-
-
-def _element_offsets(t: Tensor) -> Tensor:
-    """Storage offsets of every element of ``t`` (int64, ``numel`` values)."""
-    off = torch.full((), t.storage_offset(), dtype=torch.int64)
-    for size, stride in zip(t.shape, t.stride()):
-        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    return off.reshape(-1)
-
-
-def _check_no_shared_memory(params: List[Tensor]) -> None:
-    """``ValueError`` when a parameter is given twice, overlaps another one or
-    itself (an ``expand()``-ed tensor): its elements would count twice against
-    the budget, and the in-place projection rejects it."""
-    seen = {}
-    for i, p in enumerate(params):
-        if id(p) in seen:
-            raise ValueError(f"params[{seen[id(p)]}] and params[{i}] are the same tensor: give each tensor once")
-        seen[id(p)] = i
-    by_storage: Dict[Any, List[int]] = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0 or p.device.type == "meta":
-            continue
-        by_storage.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(i)
-        if _may_overlap_itself(p) and int(torch.unique(_element_offsets(p)).numel()) < p.numel():
-            raise ValueError(f"params[{i}] has elements sharing one memory location (e.g. an expand()-ed "
-                             "tensor); clone() it")
-    for idx in by_storage.values():
-        for a in range(len(idx)):
-            for b in range(a + 1, len(idx)):
-                pa, pb = params[idx[a]], params[idx[b]]
-                (lo_a, hi_a), (lo_b, hi_b) = _span(pa), _span(pb)
-                if hi_a < lo_b or hi_b < lo_a:
-                    continue  # disjoint ranges of one storage
-                if bool(torch.isin(_element_offsets(pa), _element_offsets(pb)).any()):
-                    raise ValueError(f"params[{idx[a]}] and params[{idx[b]}] share memory (overlapping views): "
-                                     "their elements would count twice against the budget")
-
-
-def _span(t: Tensor):
-    lo = t.storage_offset()
-    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-
-
-def _may_overlap_itself(t: Tensor) -> bool:
-    """False when the strides prove that every element has its own location."""
-    reach = 0  # the largest offset reachable with the dimensions of smaller stride
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
-        if stride <= reach:
-            return True
-        reach += stride * (size - 1)
-    return False
+    _check_no_overlap(params, "params")  # the in-place op's own check, before any step
 
 
 def _check_cost(cost: List[Tensor], params: List[Tensor]) -> None:
