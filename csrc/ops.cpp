@@ -1,7 +1,7 @@
 // The one TORCH_LIBRARY block of prunopt: every operator schema lives here.
 // Kernels register themselves per device in csrc/cpu/*.cpp and csrc/cuda/*.cu
 // (TORCH_LIBRARY_IMPL); fake (meta) kernels and autograd are registered from
-// Python in prunopt/ops.py, except the autograd of fb_reconstruct (the op of
+// Python in prunopt/ops/, except the autograd of fb_reconstruct (the op of
 // FBConv2d's training path), which is in C++: csrc/autograd/fb_reconstruct.cpp.
 #include <torch/library.h>
 
@@ -27,7 +27,7 @@ TORCH_LIBRARY(prunopt, m) {
 
   // Interspace pruning: filter-basis convolution (SPEC.md section 3, issue 4).
   // Kernels: csrc/cpu/fb_reconstruct.cpp, csrc/cpu/fb_conv2d.cpp,
-  // csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops.py (fb_reconstruct's
+  // csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops/ (fb_reconstruct's
   // autograd: csrc/autograd/fb_reconstruct.cpp).
   // h = einsum("oin,nkl->oikl", lam * mu, basis)   (eq. 4)
   m.def("fb_reconstruct(Tensor coefficients, Tensor basis, Tensor? mask) -> Tensor");

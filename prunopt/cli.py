@@ -8,100 +8,11 @@
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 from typing import List, Optional
 
 
-def _number(text: str, name: str, what: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{name} must be {what}, got {v}")
-    return v
-
-
-def fraction_arg(name: str):
-    """argparse ``type=`` for a number in [0, 1] (the option's ``name`` is in the message)."""
-    def parse(text):
-        v = _number(text, name, "a number in [0, 1]")
-        if not 0.0 <= v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{name} must be in [0, 1], got {v}")
-        return v
-
-    return parse
-
-
-def open_fraction_arg(name: str):
-    """argparse ``type=`` for a number in (0, 1] (a fraction that must keep something)."""
-    def parse(text):
-        v = _number(text, name, "a number in (0, 1]")
-        if not 0.0 < v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {v}")
-        return v
-
-    return parse
-
-
-def fractions_arg(name: str):
-    """argparse ``type=`` for a comma-separated, non-empty list of numbers in [0, 1]."""
-    one = fraction_arg(name)
-
-    def parse(text):
-        values = [one(v.strip()) for v in str(text).split(",") if v.strip()]
-        if not values:
-            raise argparse.ArgumentTypeError(f"{name} must list at least one number in [0, 1], got {text!r}")
-        return values
-
-    return parse
-
-
-def _bounded_float_arg(name: str, strict: bool):
-    what = "a finite number > 0" if strict else "a finite number >= 0"
-
-    def parse(text):
-        v = _number(text, name, what)
-        if not (v > 0 if strict else v >= 0):
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {v}")
-        return v
-
-    return parse
-
-
-def positive_float_arg(name: str):
-    """argparse ``type=`` for a finite number > 0 (learning rates, temperatures, exponents)."""
-    return _bounded_float_arg(name, strict=True)
-
-
-def nonnegative_float_arg(name: str):
-    """argparse ``type=`` for a finite number >= 0 (regularisation strengths)."""
-    return _bounded_float_arg(name, strict=False)
-
-
-def int_arg(name: str, minimum: int):
-    """argparse ``type=`` for an integer >= ``minimum``."""
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {text!r}")
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {v}")
-        return v
-
-    return parse
-
-
-def positive_int_arg(name: str):
-    """argparse ``type=`` for an integer >= 1."""
-    return int_arg(name, 1)
-
-
-_fraction = fraction_arg  # former private names
-_positive_int = positive_int_arg
+from prunopt.train.args import fraction_arg, fractions_arg, positive_float_arg, positive_int_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,12 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_mutually_exclusive_group()
     g.add_argument("--density", type=fraction_arg("--density"), help="fraction of prunable weights kept (default 0.1)")
     g.add_argument("--sparsity", type=fraction_arg("--sparsity"), help="fraction of prunable weights removed (1 - density)")
-    t.add_argument("--epochs", type=_positive_int("--epochs"), default=None, help="training epochs (method default)")
-    t.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64)
+    t.add_argument("--epochs", type=positive_int_arg("--epochs"), default=None, help="training epochs (method default)")
+    t.add_argument("--batch-size", type=positive_int_arg("--batch-size"), default=64)
     t.add_argument("--lr", type=positive_float_arg("--lr"), default=None, help="learning rate > 0 (method default)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None, help="folder for checkpoint.pt, summary.json and history.png")
-    t.add_argument("--limit", type=_positive_int("--limit"), default=None, help="use only this many images (quick runs)")
+    t.add_argument("--limit", type=positive_int_arg("--limit"), default=None, help="use only this many images (quick runs)")
     t.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     for entry in METHODS.values():
         if entry.add_arguments is not None:
@@ -144,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sparsities", type=fractions_arg("--sparsities"), default="0.5,0.8,0.9,0.95",
                    help="comma-separated sparsities in [0, 1] (default 0.5,0.8,0.9,0.95)")
     c.add_argument("--out", default="runs/compare", help="folder for compare_<method>.md and .png")
-    c.add_argument("--epochs", type=_positive_int("--epochs"), default=None)
-    c.add_argument("--limit", type=_positive_int("--limit"), default=None)
+    c.add_argument("--epochs", type=positive_int_arg("--epochs"), default=None)
+    c.add_argument("--limit", type=positive_int_arg("--limit"), default=None)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--sharing", choices=["fine", "coarse"], default="fine")
     c.add_argument("--no-progress", dest="progress", action="store_false")
@@ -153,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the microbenchmark suite (writes bench/results/)")
     b.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     b.add_argument("--only", action="append", default=None, help="run only this benchmark (repeatable)")
-    b.add_argument("--threads", type=_positive_int("--threads"), default=2)
+    b.add_argument("--threads", type=positive_int_arg("--threads"), default=2)
     b.add_argument("--out", default=None, help="results folder (default bench/results)")
     p.subparsers = {"train": t, "repro": r, "compare": c, "bench": b}  # for check_arguments' usage errors
     return p
@@ -188,14 +99,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                 sub.error(f"--sparsities {p}: {e}")
 
 
-def _bench_dir() -> str:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(here, "bench")
-    if not os.path.isfile(os.path.join(path, "run.py")):
-        raise SystemExit("prunopt bench: the bench/ folder of a source checkout is needed (not found next to the package)")
-    return path
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the ``prunopt`` command (``argv`` defaults to ``sys.argv[1:]``);
     returns the exit status. Bad option values exit with status 2 (usage error)."""
@@ -223,11 +126,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         extra += ["--epochs", str(args.epochs)] if args.epochs else []
         extra += ["--limit", str(args.limit)] if args.limit else []
         extra += [] if args.progress else ["--no-progress"]
-        print(compare(args.method, ps, args.out, extra), flush=True)
+        print(compare(args.method, ps, args.out, extra, parser=parser), flush=True)
         return 0
     if args.command == "bench":
-        sys.path.insert(0, os.path.dirname(_bench_dir()))
-        from bench import run as bench_run
+        from prunopt.bench import run as bench_run
 
         return bench_run.main(quick=args.quick, only=args.only, threads=args.threads, out=args.out)
     return 2

@@ -1,4 +1,4 @@
-"""Fit the constants of the FB path cost model (prunopt/ops_interspace.py) on
+"""Fit the constants of the FB path cost model (prunopt/ops/interspace.py) on
 this machine, and report how often the model picks the faster path.
 
 Times both paths single-threaded on the 9 VGG16-CIFAR layer shapes and 5
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from prunopt import ops
 from prunopt.nn import FBConv2d, FilterBasis
-from prunopt.ops_interspace import cost_constants, sparse_is_faster
+from prunopt.ops.interspace import cost_constants, sparse_is_faster
 
 # the VGG16-CIFAR layers, and smaller ones (narrow layers on small images),
 # so that the fixed and per-map terms are not fitted on the large layers alone

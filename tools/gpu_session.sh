@@ -3,7 +3,7 @@
 #   bash tools/gpu_session.sh          (results and logs in $OUT, else /tmp/gpu_out)
 # Builds the extension for the GPU's architecture, runs the CUDA tests and the
 # device-parametrised suites (pytest -n 8), then the GPU
-# benchmark (bench/bench_gpu.py -> gpu.md / gpu.json in $OUT; copy them to
+# benchmark (prunopt/bench/bench_gpu.py -> gpu.md / gpu.json in $OUT; copy them to
 # bench/results/ with the device name in the commit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +23,10 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 echo "== build (sm_$arch)"
 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "== CUDA tests and device-parametrised suites"
-python3 -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_cuda_kernels.py tests/ops/test_fb_conv2d.py \
-  tests/ops/test_fb_reconstruct.py tests/ops/test_project_budget.py tests/ops/test_sparsification_ops.py \
+python3 -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_cuda_kernels.py tests/ops/test_interspace_ops.py \
+  tests/ops/test_interspace_reconstruct_ops.py tests/ops/test_projection_ops.py tests/ops/test_gates_ops.py \
   tests/nn/test_fb_layers.py tests/ops/test_prunadag_ops.py tests/optim/test_prunadag.py tests/test_build.py \
   > "$OUT/tests.log" 2>&1
 tail -30 "$OUT/tests.log"
 echo "== GPU benchmark"
-python3 -m bench.bench_gpu --out "$OUT" 2>&1 | tail -60
+python -m prunopt.bench.bench_gpu --out "$OUT" 2>&1 | tail -60

@@ -4,7 +4,7 @@ where a GPU is lent): ``PYTHONPATH=. python tools/profile_fb_cuda.py``.
 One VGG16-CIFAR layer (64->64 @32x32, batch 32, 50% mask): the wall time of a
 synchronised step, the host time to issue one (the device kept busy by a sleep
 kernel), synchronising calls inside it, and the host-side operators by self
-CPU time (torch.profiler). A diagnostic, not a benchmark (``bench/bench_gpu.py``).
+CPU time (torch.profiler). A diagnostic, not a benchmark (``prunopt/bench/bench_gpu.py``).
 """
 from __future__ import annotations
 

@@ -7,14 +7,14 @@ version 3, relevant=0.1, global scope): the wall time of a synchronised step,
 the host time to issue one (no synchronisation), the summed device time of
 its kernels, and the kernels by device time (torch.profiler). The same for
 ``torch.optim.Adagrad(foreach=True)`` beside it. A diagnostic, not a benchmark:
-the benchmark is ``bench/bench_gpu.py``.
+the benchmark is ``prunopt/bench/bench_gpu.py``.
 """
 from __future__ import annotations
 
 import torch
 from cuda_step_timing import measure  # tools/, the script's own folder
 
-from bench.bench_prunadag import _sizes
+from prunopt.bench.bench_prunadag import _sizes
 from prunopt.optim import PrunAdag
 
 

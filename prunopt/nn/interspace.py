@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _reverse_repeat_tuple
 
-from prunopt import ops, ops_interspace
+from prunopt import ops
+from prunopt.ops import interspace as ops_interspace
 from prunopt.nn._swap import swap_modules
-from prunopt.reference.interspace import _pair as _checked_pair
-from prunopt.reference.interspace import fb_reconstruct_reference, validate_fb_args, validate_fb_input
+from prunopt.reference.interspace import fb_reconstruct_reference
+from prunopt.validation import pair as _checked_pair
+from prunopt.validation import validate_fb_args, validate_fb_input
 
 __all__ = [
     "FilterBasis",
@@ -189,7 +191,7 @@ class FBConv2d(nn.Module):
     without gradients it caches the CSR of ``lam * mu`` (rebuilt when
     ``coefficients``, ``mask`` or the basis are updated in place or replaced) and
     runs eq. 8 on it when the cost model
-    :func:`prunopt.ops_interspace.sparse_is_faster` predicts that it beats
+    :func:`prunopt.ops.interspace.sparse_is_faster` predicts that it beats
     ``conv2d``, else ``conv2d`` with the cached reconstructed filters. Writes
     through ``.data`` bypass the version counters the cache is keyed by: call
     ``train()`` or ``eval()`` (on the layer or any module holding it; both drop
@@ -392,7 +394,7 @@ class FBConv2d(nn.Module):
 
     def _inference_forward(self, input: Tensor, padding, dense_only: bool = False) -> Tensor:
         """Eval without gradients: eq. 8 on the cached CSR when the cost model
-        (:func:`prunopt.ops_interspace.sparse_is_faster`) says it beats
+        (:func:`prunopt.ops.interspace.sparse_is_faster`) says it beats
         ``conv2d``, else ``conv2d`` with the cached reconstructed filters. The
         choice is cached per input shape with the CSR (a small layer's whole
         call is ~20 us, so its Python frame is kept short)."""

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import torch
 from torch import Tensor
 
-from prunopt.ops import _check_no_overlap, project_budget_
+from prunopt.ops.projection import _check_no_overlap, project_budget_
 from prunopt.schedules import DensitySchedule
 
 __all__ = ["BudgetProjection"]

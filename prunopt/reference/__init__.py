@@ -41,18 +41,16 @@ __all__ += [
 ]
 
 # --- differentiable sparsification / architecture pruning (issue 6) ---------
-from prunopt.reference.architecture import (  # noqa: E402
-    two_temperature_sigmoid_backward_reference,
-    two_temperature_sigmoid_composed,
-    two_temperature_sigmoid_reference,
-)
-from prunopt.reference.sparsification import (  # noqa: E402
+from prunopt.reference.gates import (  # noqa: E402
     rgf_relu_backward_reference,
     rgf_relu_composed,
     rgf_relu_reference,
     sparse_gate_backward_reference,
     sparse_gate_composed,
     sparse_gate_reference,
+    two_temperature_sigmoid_backward_reference,
+    two_temperature_sigmoid_composed,
+    two_temperature_sigmoid_reference,
 )
 
 __all__ += [

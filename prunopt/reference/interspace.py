@@ -20,142 +20,23 @@ tested against these functions.
 """
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from prunopt.validation import validate_fb_args
 
 __all__ = [
     "fb_reconstruct_reference",
     "fb_conv2d_reference",
     "fb_conv2d_sparse_reference",
     "fb_coefficient_grads_reference",
-    "validate_fb_args",
-    "validate_fb_input",
     "basis_matrix",
 ]
 
 IntPair = Union[int, Sequence[int]]
-
-
-def _pair(value, name: str) -> Tuple[int, int]:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a pair of ints, got bool")
-    if isinstance(value, numbers.Integral):
-        return int(value), int(value)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value
-    ):
-        return int(value[0]), int(value[1])
-    if isinstance(value, (tuple, list)) and len(value) == 1 and isinstance(value[0], numbers.Integral):
-        return int(value[0]), int(value[0])
-    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-
-
-def validate_fb_args(
-    input: Optional[Tensor],
-    coefficients: Tensor,
-    basis: Tensor,
-    mask: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
-    stride: IntPair = 1,
-    padding: IntPair = 0,
-    dilation: IntPair = 1,
-    groups: int = 1,
-    check_input_dtype: bool = True,
-):
-    """Checks the arguments of the FB ops and normalises the conv arguments.
-
-    Shapes: ``input (B, C_in, H, W)`` (or ``(C_in, H, W)``), ``coefficients
-    (C_out, C_in/groups, N)``, ``basis (N, kh, kw)`` with ``kh, kw >= 1``, ``mask`` like
-    ``coefficients``, ``bias (C_out,)``. Type problems raise ``TypeError``, bad
-    values or shapes ``ValueError``; both name the argument.
-
-    Returns ``(stride, padding, dilation, groups)`` as pairs/int.
-    """
-    for name, t in (("coefficients", coefficients), ("basis", basis)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a real floating tensor, got {t.dtype}")
-    if coefficients.dim() != 3:
-        raise ValueError(f"coefficients must have shape (C_out, C_in/groups, N), got {tuple(coefficients.shape)}")
-    if basis.dim() != 3:
-        raise ValueError(f"basis must have shape (N, kh, kw), got {tuple(basis.shape)}")
-    if basis.shape[1] < 1 or basis.shape[2] < 1:
-        raise ValueError(f"basis must have a non-empty kernel (kh, kw >= 1), got shape {tuple(basis.shape)}")
-    if basis.shape[0] != coefficients.shape[2]:
-        raise ValueError(
-            f"basis has {basis.shape[0]} elements but coefficients have N = {coefficients.shape[2]} "
-            f"(coefficients {tuple(coefficients.shape)}, basis {tuple(basis.shape)})"
-        )
-    if basis.dtype != coefficients.dtype:
-        raise ValueError(f"basis must have the dtype of coefficients ({coefficients.dtype}), got {basis.dtype}")
-    if basis.device != coefficients.device:
-        raise ValueError(f"basis must be on the device of coefficients ({coefficients.device}), got {basis.device}")
-    if mask is not None:
-        if not isinstance(mask, Tensor):
-            raise TypeError(f"mask must be a Tensor or None, got {type(mask).__name__}")
-        if mask.shape != coefficients.shape:
-            raise ValueError(f"mask must have the shape of coefficients {tuple(coefficients.shape)}, got {tuple(mask.shape)}")
-        if mask.device != coefficients.device:
-            raise ValueError(f"mask must be on the device of coefficients ({coefficients.device}), got {mask.device}")
-    if bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(f"bias must be a Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (coefficients.shape[0],):
-            raise ValueError(f"bias must have shape ({coefficients.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != coefficients.dtype or bias.device != coefficients.device:
-            raise ValueError(
-                f"bias must have the dtype and device of coefficients ({coefficients.dtype}, "
-                f"{coefficients.device}), got {bias.dtype}, {bias.device}"
-            )
-    stride, padding, dilation = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
-    if min(stride) < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
-    if min(padding) < 0:
-        raise ValueError(f"padding must be >= 0, got {padding}")
-    if min(dilation) < 1:
-        raise ValueError(f"dilation must be >= 1, got {dilation}")
-    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral):
-        raise TypeError(f"groups must be an int, got {type(groups).__name__}")
-    groups = int(groups)
-    if groups < 1 or coefficients.shape[0] % groups != 0:
-        raise ValueError(f"groups must be >= 1 and divide C_out = {coefficients.shape[0]}, got {groups}")
-    if input is not None:
-        validate_fb_input(input, coefficients, basis, padding, dilation, groups, check_input_dtype)
-    return stride, padding, dilation, groups
-
-
-def validate_fb_input(input: Tensor, coefficients: Tensor, basis: Tensor, padding: Tuple[int, int],
-                      dilation: Tuple[int, int], groups: int, check_dtype: bool = True) -> None:
-    """Checks the ``input`` of an FB convolution against checked ``coefficients`` and
-    ``basis`` and normalised conv arguments (the input part of
-    :func:`validate_fb_args`, which the training path of ``FBConv2d`` calls alone).
-    ``check_dtype=False`` under autocast, where ``conv2d`` casts input and filters."""
-    if not isinstance(input, Tensor):
-        raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
-    if input.dim() not in (3, 4):
-        raise ValueError(f"input must have shape (B, C_in, H, W) or (C_in, H, W), got {tuple(input.shape)}")
-    if check_dtype and input.dtype != coefficients.dtype:
-        raise ValueError(f"input must have the dtype of coefficients ({coefficients.dtype}), got {input.dtype}")
-    if input.device != coefficients.device:
-        raise ValueError(f"input must be on the device of coefficients ({coefficients.device}), got {input.device}")
-    c_in = input.shape[-3]
-    if c_in != coefficients.shape[1] * groups:
-        raise ValueError(
-            f"input has {c_in} channels but coefficients {tuple(coefficients.shape)} with groups={groups} "
-            f"expect C_in = {coefficients.shape[1] * groups}"
-        )
-    for d, (size, k) in enumerate(zip(input.shape[-2:], basis.shape[1:])):
-        if size + 2 * padding[d] < dilation[d] * (k - 1) + 1:
-            raise ValueError(
-                f"input spatial size {tuple(input.shape[-2:])} (padded by {padding}) is smaller than the "
-                f"dilated kernel {tuple(basis.shape[1:])} (dilation {dilation})"
-            )
 
 
 def basis_matrix(basis: Tensor) -> Tensor:

@@ -19,67 +19,16 @@ Two independent solvers live here:
 from __future__ import annotations
 
 import math
-import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from prunopt.validation import validate_projection_args
+
 TensorOrList = Union[Tensor, Sequence[Tensor]]
 
-__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi", "validate_projection_args"]
-
-
-def _as_list(theta: TensorOrList, name: str = "theta") -> Tuple[List[Tensor], bool]:
-    if isinstance(theta, Tensor):
-        return [theta], True
-    if isinstance(theta, (list, tuple)) and all(isinstance(t, Tensor) for t in theta):
-        return list(theta), False
-    raise TypeError(f"{name} must be a Tensor or a list/tuple of Tensors, got {type(theta).__name__}")
-
-
-def validate_projection_args(theta: TensorOrList, budget, cost: Optional[TensorOrList]):
-    """Checks and normalises the arguments of the projection ops.
-
-    Returns ``(theta_list, cost_list_or_None, budget_float, theta_was_tensor)``.
-    Type problems raise ``TypeError``; bad values raise ``ValueError``. Both name
-    the argument. Value checks that need the data (finiteness, positive costs)
-    are done by the solvers, before anything is written.
-    """
-    thetas, single = _as_list(theta, "theta")
-    if isinstance(budget, Tensor):
-        if budget.numel() != 1:
-            raise ValueError(f"budget must be a number or a one-element tensor, got shape {tuple(budget.shape)}")
-        budget = budget.item()
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):  # NumPy scalars too
-        raise TypeError(f"budget must be a real number, got {type(budget).__name__}")
-    try:
-        budget = float(budget)
-    except OverflowError:  # an int beyond the float range, e.g. 10**400
-        raise ValueError(f"budget must be a finite number >= 0, got an int of {int(budget).bit_length()} bits") from None
-    if not math.isfinite(budget) or budget < 0:
-        raise ValueError(f"budget must be a finite number >= 0, got {budget}")
-    costs = None
-    if cost is not None:
-        costs, _ = _as_list(cost, "cost")
-        if len(costs) != len(thetas):
-            raise ValueError(f"cost must have as many tensors as theta ({len(thetas)}), got {len(costs)}")
-    for i, t in enumerate(thetas):
-        if not t.is_floating_point() or t.is_complex():
-            raise ValueError(f"theta[{i}] must be a real floating tensor, got {t.dtype}")
-        if t.dtype != thetas[0].dtype:
-            raise ValueError(f"all theta tensors must share one dtype, theta[{i}] is {t.dtype} but theta[0] is {thetas[0].dtype}")
-        if t.device != thetas[0].device:
-            raise ValueError(f"all theta tensors must be on one device, theta[{i}] is on {t.device} but theta[0] is on {thetas[0].device}")
-        if costs is not None:
-            c = costs[i]
-            if c.shape != t.shape:
-                raise ValueError(f"cost[{i}] must have the shape of theta[{i}] {tuple(t.shape)}, got {tuple(c.shape)}")
-            if c.dtype != t.dtype:
-                raise ValueError(f"cost[{i}] must have the dtype of theta ({t.dtype}), got {c.dtype}")
-            if c.device != t.device:
-                raise ValueError(f"cost[{i}] must be on the device of theta ({t.device}), got {c.device}")
-    return thetas, costs, budget, single
+__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]
 
 
 def _flatten(thetas: List[Tensor], costs: Optional[List[Tensor]]) -> Tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ from prunopt.reference import fb_conv2d_reference
 def avx2_cost_model(monkeypatch):
     """The path choices these tests expect are those of the AVX2 ("default")
     cost-model constants; pin them whatever this CPU is."""
-    from prunopt import ops_interspace
+    from prunopt.ops import interspace as ops_interspace
     monkeypatch.setattr(ops_interspace, "_cpu_capability", lambda: "default")
 
 
@@ -283,7 +283,7 @@ def test_eval_paths_check_the_input_and_basis(monkeypatch, sparse, channels, gro
     """In eval without gradients the sparse path runs the CSR op, which takes
     C_in from the input: too many channels were silently dropped (or, with
     groups, mixed across groups) until the layer checked the input itself."""
-    from prunopt import ops_interspace
+    from prunopt.ops import interspace as ops_interspace
 
     monkeypatch.setattr(ops_interspace, "sparse_is_faster", lambda *a, **k: sparse)
     torch.manual_seed(0)
@@ -602,7 +602,7 @@ def test_eval_fast_path_follows_every_change(density, monkeypatch):
 @pytest.fixture(params=[True, False], ids=["sparse", "dense"])
 def forced_path(request, monkeypatch):
     """Pins the eval path of FBConv2d: the cached CSR (sparse) or the cached filters."""
-    from prunopt import ops_interspace
+    from prunopt.ops import interspace as ops_interspace
     monkeypatch.setattr(ops_interspace, "sparse_is_faster", lambda *a, **k: request.param)
     return request.param
 
@@ -883,7 +883,7 @@ def test_torch_func_transforms(train, forced_path):
 
 
 def test_init_with_basis_param_groups_and_compressed_bias_errors():
-    from prunopt import ops_interspace
+    from prunopt.ops import interspace as ops_interspace
     from prunopt.nn import FilterBasis, interspace_param_groups
 
     basis = FilterBasis(3, init="orthonormal")

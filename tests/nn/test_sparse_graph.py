@@ -9,7 +9,7 @@ from prunopt.nn import (
     balanced_normalize,
     l1_regularizer,
 )
-from prunopt.reference.sparsification import sparse_gate_reference
+from prunopt.reference.gates import sparse_gate_reference
 
 
 def _max_sum_error(A):

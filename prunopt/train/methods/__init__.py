@@ -8,7 +8,7 @@ bottom of this file. ``run(args)`` receives the parsed ``argparse.Namespace``
 ``check_arguments(args)``, if given, runs right after parsing (before any
 work) and raises ``ValueError`` for values that are bad for this method; the
 CLI turns that into a usage error (exit status 2). Single values are checked
-by the options' argparse ``type=`` functions (``prunopt.cli.positive_float_arg``
+by the options' argparse ``type=`` functions (``prunopt.train.args.positive_float_arg``
 and friends).
 """
 from __future__ import annotations

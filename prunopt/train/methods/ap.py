@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prunopt.cli import nonnegative_float_arg, positive_float_arg
+from prunopt.train.args import nonnegative_float_arg, positive_float_arg
 from prunopt.nn.architecture import (
     layer_densities,
     mask_density,

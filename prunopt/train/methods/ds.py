@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunopt.cli import nonnegative_float_arg, positive_int_arg
+from prunopt.train.args import nonnegative_float_arg, positive_int_arg
 from prunopt.nn.sparsification import (
     convert_to_sparse_batchnorm,
     cubic_strength,

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from prunopt.cli import int_arg, positive_float_arg
+from prunopt.train.args import int_arg, positive_float_arg
 from prunopt.nn.probmask import apply_probmask, finalize_probmask, probmask_density, probmask_scores, set_temperature
 from prunopt.optim.budget import BudgetProjection
 from prunopt.schedules import DensitySchedule, TemperatureSchedule

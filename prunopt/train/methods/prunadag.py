@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prunopt.cli import open_fraction_arg
+from prunopt.train.args import open_fraction_arg
 from prunopt.optim import PrunAdag
 from prunopt.pruning.magnitude import magnitude_prune_, sparsity
 from prunopt.train.data import load_digits

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from prunopt.cli import int_arg, positive_int_arg
+from prunopt.train.args import int_arg, positive_int_arg
 from prunopt.pruning import (
     DynamicSparseTraining,
     FineTuning,
@@ -244,19 +244,19 @@ for _name, _help in TOOLKIT_METHODS.items():
 
 
 # ---------------------------------------------------------------- compare
-def compare(method: str, sparsities: List[float], out: str, base_argv: Optional[List[str]] = None) -> str:
+def compare(method: str, sparsities: List[float], out: str, base_argv: Optional[List[str]] = None, *,
+            parser) -> str:
     """``prunopt compare``: run ``method`` with SP and with IP at each sparsity
     (the shape of the paper's Fig. 3-4), write ``compare_<method>.md`` (table)
     and ``compare_<method>.png`` (accuracy vs. sparsity) into ``out`` and return
-    the markdown."""
-    from prunopt.cli import build_parser
+    the markdown. ``parser`` is the ``prunopt`` parser (:func:`prunopt.cli.build_parser`),
+    which parses each run's ``train`` options."""
     from prunopt.train.loop import atomic_write_text
 
     if method not in TOOLKIT_METHODS:
         raise ValueError(f"method must be one of {sorted(TOOLKIT_METHODS)}, got {method!r}")
     if not sparsities:
         raise ValueError("sparsities must not be empty")
-    parser = build_parser()
     rows = []
     for p in sparsities:
         row = {"sparsity": p}

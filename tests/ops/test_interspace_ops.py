@@ -320,7 +320,7 @@ def test_raw_ops_raise_value_errors():
 
 
 def test_compress_round_trip():
-    from prunopt.ops_interspace import _decompress
+    from prunopt.ops.interspace import _decompress
 
     c = torch.randn(5, 3, 9)
     m = (torch.rand(5, 3, 9) < 0.3).float()
@@ -334,8 +334,8 @@ def test_cost_model_picks_the_path_by_density_and_image_size(monkeypatch):
     """The model's form, with the AVX2 ("default") constants pinned: the AVX512
     set (refitted in session 9) takes the sparse path for the 3-channel layer
     up to density ~0.18, where it is 1.02-1.22x slower (docs/interspace.md)."""
-    from prunopt import ops_interspace
-    from prunopt.ops_interspace import auto_max_density, sparse_is_faster
+    from prunopt.ops import interspace as ops_interspace
+    from prunopt.ops.interspace import auto_max_density, sparse_is_faster
 
     monkeypatch.setattr(ops_interspace, "_cpu_capability", lambda: "default")
 
@@ -356,8 +356,8 @@ def test_cost_model_constants_per_cpu_capability(monkeypatch):
     AVX-512 CPUs (where oneDNN's conv2d is about twice as fast and the AVX2 set
     chose the sparse path for 2x2 layers at density 0.5, 2.7x slower), the
     AVX2 ("default") set elsewhere."""
-    from prunopt import ops_interspace
-    from prunopt.ops_interspace import COST_CONSTANTS, cost_constants, sparse_is_faster
+    from prunopt.ops import interspace as ops_interspace
+    from prunopt.ops.interspace import COST_CONSTANTS, cost_constants, sparse_is_faster
 
     assert cost_constants("AVX512") is COST_CONSTANTS["AVX512"]
     for cap in ("AVX2", "DEFAULT", "ZVECTOR", "default"):
@@ -373,7 +373,7 @@ def test_cost_model_constants_per_cpu_capability(monkeypatch):
 
 
 def test_auto_path_is_exact_on_both_sides_of_the_threshold():
-    from prunopt.ops_interspace import auto_max_density
+    from prunopt.ops.interspace import auto_max_density
 
     g = torch.Generator().manual_seed(8)
     x = torch.randn(1, 64, 8, 8, generator=g)

@@ -16,7 +16,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.utils import benchmark
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# the committed results of a source checkout (bench/results/ beside the package)
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
+                           "results")
 
 
 def cpu_model() -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import environment, interleaved_times, median_time, write_results
+from prunopt.bench.common import environment, interleaved_times, median_time, write_results
 
 
 def _sizes(total: int, count: int, seed: int = 0):

@@ -208,11 +208,12 @@ def _projection_path(use_kernel, monkeypatch):
     """``prunopt.ops`` with the projection on the kernel (skipped without the
     extension) or, with ``use_kernel=False``, on the pure-PyTorch reference."""
     import prunopt.ops as ops
+    import prunopt.ops.projection as projection_ops
 
     if use_kernel and not prunopt.extension_available():
         pytest.skip("compiled extension not built")
     if not use_kernel:
-        monkeypatch.setattr(ops, "_PROJECTION_DEVICES", frozenset())
+        monkeypatch.setattr(projection_ops, "_PROJECTION_DEVICES", frozenset())
     return ops
 
 

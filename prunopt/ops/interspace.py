@@ -36,12 +36,12 @@ from torch import Tensor
 from torch.autograd import forward_ad as _fwad
 
 from prunopt._extension import extension_available
+from prunopt.ops._registry import _kernel_devices
+from prunopt.validation import validate_fb_args
 from prunopt.reference.interspace import (
-    _pair,
     fb_coefficient_grads_reference,
     fb_conv2d_sparse_reference,
     fb_reconstruct_reference,
-    validate_fb_args,
 )
 
 __all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed", "sparse_is_faster",
@@ -136,20 +136,11 @@ def auto_max_density(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positio
     return (dense - fixed) / per_nnz / total
 
 
-def _kernel_devices(op: str) -> frozenset:
-    if not extension_available():
-        return frozenset()
-    keys = {"cpu": "CPU", "cuda": "CUDA"}
-    try:
-        return frozenset(d for d, k in keys.items() if torch._C._dispatch_has_kernel_for_dispatch_key(f"prunopt::{op}", k))
-    except RuntimeError:  # an extension built before this op existed: use the reference
-        return frozenset()
-
-
-_RECON_DEVICES = _kernel_devices("fb_reconstruct")
-_RECON_BWD_DEVICES = _kernel_devices("fb_reconstruct_backward")
-_CONV_DEVICES = _kernel_devices("fb_conv2d")
-_CSR_DEVICES = _kernel_devices("fb_conv2d_csr")
+# meta tensors take the reference path here (it computes their shapes)
+_RECON_DEVICES = _kernel_devices("fb_reconstruct", meta=False)
+_RECON_BWD_DEVICES = _kernel_devices("fb_reconstruct_backward", meta=False)
+_CONV_DEVICES = _kernel_devices("fb_conv2d", meta=False)
+_CSR_DEVICES = _kernel_devices("fb_conv2d_csr", meta=False)
 
 
 def has_csr_kernel(input: Tensor) -> bool:
@@ -542,3 +533,28 @@ def register_fb_autograd() -> None:
                                         setup_context=_fb_reconstruct_backward_setup)
     torch.library.register_autograd("prunopt::fb_conv2d", _fb_conv2d_backward, setup_context=_fb_conv2d_setup)
     torch.library.register_autograd("prunopt::fb_conv2d_csr", _fb_conv2d_csr_backward, setup_context=_fb_conv2d_csr_setup)
+
+
+# fake kernels (torch.compile, meta tensors) and the Python autograd formulas
+if extension_available() and hasattr(torch.ops.prunopt, "fb_conv2d"):
+    @torch.library.register_fake("prunopt::fb_reconstruct")
+    def _fb_reconstruct_fake(coefficients, basis, mask):
+        return coefficients.new_empty(coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
+
+    if hasattr(torch.ops.prunopt, "fb_reconstruct_backward"):  # absent from extensions built before it
+
+        @torch.library.register_fake("prunopt::fb_reconstruct_backward")
+        def _fb_reconstruct_backward_fake(grad_h, coefficients, basis, mask, output_mask):
+            return (coefficients.new_empty(coefficients.shape if output_mask[0] else (0,)),
+                    basis.new_empty(basis.shape if output_mask[1] else (0,)))
+
+    @torch.library.register_fake("prunopt::fb_conv2d")
+    def _fb_conv2d_fake(input, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density):
+        return input.new_empty(fb_conv_out_shape(input, coefficients.shape[0], basis, stride, padding, dilation))
+
+    @torch.library.register_fake("prunopt::fb_conv2d_csr")
+    def _fb_conv2d_csr_fake(input, crow_indices, col_indices, values, basis, bias, stride, padding, dilation, groups):
+        c_out = crow_indices.shape[0] - 1
+        return input.new_empty(fb_conv_out_shape(input, c_out, basis, stride, padding, dilation))
+
+    register_fb_autograd()

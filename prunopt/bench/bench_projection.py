@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import prunopt
-from bench.common import environment, median_time, write_results
+from prunopt.bench.common import environment, median_time, write_results
 from prunopt.reference import project_budget_sort
 
 

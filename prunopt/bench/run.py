@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench.common import RESULTS_DIR
+from prunopt.bench.common import RESULTS_DIR
 
 
 def discover():
@@ -33,7 +33,7 @@ def main(quick: bool = False, only=None, threads: int = 2, out=None) -> int:
     out = out or RESULTS_DIR
     index = ["# Benchmark results", "", "Regenerate with `prunopt bench` (or `python -m bench.run`).", ""]
     for name in names:
-        mod = importlib.import_module(f"bench.bench_{name}")
+        mod = importlib.import_module(f"prunopt.bench.bench_{name}")
         print(f"== {name}", flush=True)
         md = mod.run(quick=quick, threads=threads, out=out)
         print(md, flush=True)

@@ -31,7 +31,7 @@ from torch import nn
 import statistics
 import time
 
-from bench.common import environment, write_results
+from prunopt.bench.common import environment, write_results
 
 CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # VGG11
 

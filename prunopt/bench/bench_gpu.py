@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.bench_fb_conv2d import VGG16_CIFAR
-from bench.bench_prunadag import _sizes
-from bench.common import environment, median_time, write_results
+from prunopt.bench.bench_interspace import VGG16_CIFAR
+from prunopt.bench.bench_prunadag import _sizes
+from prunopt.bench.common import environment, median_time, write_results
 
 
 def _prunadag_rows():

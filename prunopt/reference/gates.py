@@ -1,4 +1,6 @@
-"""Readable reference of differentiable sparsification (Lee, SPEC.md §4).
+"""Readable references of the gate ops: differentiable sparsification (Lee,
+SPEC.md §4: ``rgf_relu``, ``sparse_gate``) and the two-temperature sigmoid of
+differentiable architecture pruning (Colombo & Gao, SPEC.md §5, eq. 6-7).
 
 Two kinds of function live here:
 
@@ -9,7 +11,7 @@ Two kinds of function live here:
   custom gradient (the straight-through trick ``relu(x) + elu(x) - elu(x).detach()``
   is relu forward and elu backward). They are the fallback when the extension is
   missing, an independent check of the hand-derived backward formulas, and the
-  baseline of ``bench/bench_gates.py``.
+  baseline of ``prunopt/bench/bench_gates.py``.
 
 Shapes: gates act on the last dimension of ``alpha`` (``(..., n)``), with one
 threshold ``beta`` per group (shape ``alpha.shape[:-1]``).
@@ -29,6 +31,9 @@ __all__ = [
     "sparse_gate_reference",
     "sparse_gate_backward_reference",
     "sparse_gate_composed",
+    "two_temperature_sigmoid_reference",
+    "two_temperature_sigmoid_backward_reference",
+    "two_temperature_sigmoid_composed",
 ]
 
 
@@ -132,3 +137,24 @@ def sparse_gate_composed(alpha: Tensor, beta: Tensor, signed: bool = True, rgf_a
         return torch.sign(alpha) * r
     total = r.sum(-1, keepdim=True)
     return r / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# --- two-temperature sigmoid (architecture pruning, eq. 6-7) ---
+def two_temperature_sigmoid_reference(w: Tensor, t_l: float, t_s: float) -> Tensor:
+    r"""Forward of the relaxed mask, eq. 6: :math:`v = \sigma(t_l w)` (float64 inside)."""
+    return torch.sigmoid(t_l * w.double()).to(w.dtype)
+
+
+def two_temperature_sigmoid_backward_reference(grad: Tensor, w: Tensor, t_s: float) -> Tensor:
+    r"""The eq. 7 surrogate gradient :math:`g\, t_s \sigma(t_s w)(1 - \sigma(t_s w))` (float64)."""
+    sw = torch.sigmoid(t_s * w.double())
+    return (grad.double() * t_s * sw * (1 - sw)).to(w.dtype)
+
+
+def two_temperature_sigmoid_composed(w: Tensor, t_l: float, t_s: float) -> Tensor:
+    """sigmoid(t_l w) forward, the t_s sigmoid's derivative backward, from plain
+    PyTorch ops (straight-through): the fallback and the benchmark baseline."""
+    if t_l == t_s:
+        return torch.sigmoid(t_l * w)
+    soft = torch.sigmoid(t_s * w)
+    return torch.sigmoid(t_l * w).detach() + (soft - soft.detach())

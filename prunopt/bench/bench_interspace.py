@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import environment, interleaved_times, median_time, write_results
+from prunopt.bench.common import environment, interleaved_times, median_time, write_results
 from prunopt.nn import FBConv2d, FilterBasis
 
 # (C_in, C_out, H=W) of the 13 VGG16-CIFAR convolutions, 3x3, padding 1 (Table A7)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import environment, median_time, write_results
+from prunopt.bench.common import environment, median_time, write_results
 from prunopt.ops import rgf_relu, sparse_gate, two_temperature_sigmoid
 from prunopt.reference import rgf_relu_composed, sparse_gate_composed, two_temperature_sigmoid_composed
 

@@ -1,0 +1,159 @@
+"""Budget projection ops (ProM / ProbMask): ``project_budget`` and its in-place
+form, fake kernels and the autograd registration. Kernels:
+``csrc/cpu/project_budget.cpp``, ``csrc/cuda/project_budget.cu``; reference:
+:mod:`prunopt.reference.projection`."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from prunopt._extension import extension_available
+from prunopt.ops._registry import TensorOrList, _kernel_devices
+from prunopt.reference.projection import project_budget_reference
+from prunopt.validation import validate_projection_args
+
+__all__ = ["project_budget", "project_budget_"]
+
+_PROJECTION_DEVICES = _kernel_devices("project_budget")
+
+
+def _use_kernel(tensors: List[Tensor]) -> bool:
+    # len(), not bool(): dynamo in torch 2.11 cannot trace bool() of a list
+    # (test_project_budget.py::test_torch_compile failed there, seen on the H100)
+    # (the module global is read at call time, so a test can switch the path)
+    return len(tensors) > 0 and tensors[0].device.type in _PROJECTION_DEVICES
+
+
+def project_budget(theta: TensorOrList, budget: float, cost: Optional[TensorOrList] = None):
+    r"""Exact Euclidean projection onto the budget set (SPEC.md §1, ProM supplement eq. 9-17).
+
+    .. math::
+        \theta^* = \arg\min_x \|x - \theta\|^2 \;\; \text{s.t.}\;\; 0 \le x_i \le 1,\;
+        \textstyle\sum_i c_i x_i \le S, \qquad
+        \theta^* = \mathrm{clamp}(\theta - \lambda^* c, 0, 1)
+
+    with :math:`\lambda^* = \max(0, \lambda_1)` the root of the non-increasing
+    :math:`\phi(\lambda) = \sum_i c_i\,\mathrm{clamp}(\theta_i - \lambda c_i, 0, 1) - S`
+    (eq. 14). The result is exact to rounding (not a bisection approximation).
+
+    Args:
+        theta: a tensor of any shape, or a list of tensors projected jointly under
+            one budget (no concatenated copy is made). float32/float64; float16 and
+            bfloat16 are computed in double and rounded back.
+        budget: ``S >= 0``. ``S = 0`` gives all zeros.
+        cost: optional positive costs ``c`` with the shape(s) of ``theta``
+            (default all ones, so the budget counts elements).
+
+    Returns:
+        A new tensor (or list) with the projected values. It does not require
+        grad, whatever ``theta`` does: the projection is an optimisation step
+        (like ``torch.argmax``), not a differentiable layer, so no gradient flows
+        back through it (the compiled op has a non-differentiable Autograd
+        kernel; the pure-PyTorch fallback computes on detached data).
+
+    Raises:
+        TypeError: ``theta``/``cost`` not tensors, ``budget`` not a real number
+            (Python, NumPy or one-element tensor).
+        ValueError: negative or non-finite budget, non-finite scores, non-positive
+            costs, mismatched shapes, dtypes or devices.
+    """
+    thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    if _use_kernel(thetas):
+        out = torch.ops.prunopt.project_budget(thetas, costs, budget)
+        return out[0] if single else list(out)
+    return project_budget_reference(thetas[0] if single else thetas, budget, costs[0] if (single and costs) else costs)
+
+
+def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrList] = None):
+    r"""In-place :func:`project_budget`: overwrites ``theta`` with its projection.
+
+    Validation (including finiteness of the data) happens before anything is
+    written, so on error ``theta`` is unchanged. The tensors of ``theta`` must
+    not share memory with each other (the same tensor twice, overlapping
+    views) or within themselves (e.g. an ``expand()``-ed tensor): that is a
+    ``ValueError`` (checked in eager mode). Returns ``theta``.
+    """
+    thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
+    if not torch.compiler.is_compiling():
+        _check_no_overlap(thetas)
+    if _use_kernel(thetas):
+        torch.ops.prunopt.project_budget_(thetas, costs, budget)
+    else:
+        outs = project_budget_reference(thetas, budget, costs)
+        with torch.no_grad():
+            for t, o in zip(thetas, outs):
+                t.copy_(o)
+    return theta
+
+
+def _element_offsets(t: Tensor) -> Tensor:
+    """Offsets (in elements of ``t``'s dtype, from the start of its storage) of
+    every element of ``t``; ``numel`` int64 values."""
+    off = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return off.reshape(-1)
+
+
+def _has_internal_overlap(t: Tensor) -> bool:
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 0  # largest offset reachable with the dimensions of smaller stride
+    for stride, size in dims:
+        if stride <= reach:  # not provably free of overlap: count the distinct offsets
+            return int(torch.unique(_element_offsets(t)).numel()) < t.numel()
+        reach += stride * (size - 1)
+    return False
+
+
+def _check_no_overlap(thetas: List[Tensor], name: str = "theta") -> None:
+    """ValueError if a tensor written in place overlaps itself or another one:
+    the projection treats every element as a separate score, so aliased memory
+    would be counted twice against the budget and written twice. ``name`` is
+    the argument the tensors came in (``theta[i]``, or ``params[i]`` for
+    :class:`prunopt.optim.BudgetProjection`)."""
+    by_storage = {}
+    for i, t in enumerate(thetas):
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        if _has_internal_overlap(t):
+            raise ValueError(f"{name}[{i}] has elements sharing one memory location (e.g. an expand()-ed tensor); "
+                             "clone() it before projecting in place")
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+    for idx in by_storage.values():
+        for a in range(len(idx)):
+            for b in range(a + 1, len(idx)):
+                i, j = idx[a], idx[b]
+                ti, tj = thetas[i], thetas[j]
+                lo_i, lo_j = ti.storage_offset(), tj.storage_offset()
+                hi_i = lo_i + sum((n - 1) * st for n, st in zip(ti.shape, ti.stride()))
+                hi_j = lo_j + sum((n - 1) * st for n, st in zip(tj.shape, tj.stride()))
+                if hi_i < lo_j or hi_j < lo_i:
+                    continue  # disjoint ranges of one storage
+                if ti is tj or bool(torch.isin(_element_offsets(ti), _element_offsets(tj)).any()):
+                    raise ValueError(f"{name}[{i}] and {name}[{j}] share memory (the same tensor twice or overlapping "
+                                     "views): their elements would count twice against the budget; pass each "
+                                     "tensor once (or clone() one)")
+
+if extension_available():
+
+    @torch.library.register_fake("prunopt::project_budget")
+    def _project_budget_fake(theta, cost, budget):
+        return [torch.empty_like(t) for t in theta]
+
+    @torch.library.register_fake("prunopt::project_budget_")
+    def _project_budget_inplace_fake(theta, cost, budget):
+        return None
+
+    # The projection is not differentiable (a step, not a layer): its Autograd
+    # kernel runs the op below autograd, so the outputs never require grad (as the
+    # fallback's, which computes on detached data) instead of carrying autograd's
+    # "not implemented" node, whose backward only warns and leaves grad None.
+    _PROJECTION_LIB = torch.library.Library("prunopt", "IMPL")
+
+    def _project_budget_autograd(theta, cost, budget):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.prunopt.project_budget.default(theta, cost, budget)
+
+    _PROJECTION_LIB.impl("project_budget", _project_budget_autograd, "Autograd")
