@@ -25,7 +25,9 @@ from prunopt.ops import sparse_gate
 __all__ = [
     "SparseGate",
     "SparseBatchNorm2d",
+    "SyncSparseBatchNorm2d",
     "convert_to_sparse_batchnorm",
+    "convert_sync_batchnorm",
     "sparse_gates",
     "l1_regularizer",
     "group_l21_regularizer",
@@ -213,6 +215,14 @@ class SparseGate(nn.Module):
         return f"{self.num_gates}, signed={self.signed}, rgf={self.rgf}"
 
 
+_NO_AFFINE = (
+    "{cls} has no affine weight or bias: its scale is the sparse gate (.gate, eq. 12) and its shift "
+    ".shift (eq. 17). Code that rebuilds a batch norm from weight and bias would drop them: "
+    "nn.SyncBatchNorm.convert_sync_batchnorm (use prunopt.nn.convert_sync_batchnorm, which gives a "
+    "SyncSparseBatchNorm2d), or conv-BN fusion (use prunopt.nn.remove_channels, whose plain BatchNorm2d has them)"
+)
+
+
 class SparseBatchNorm2d(nn.BatchNorm2d):
     r"""Sparse batch normalisation (DS eq. 17), a drop-in for ``nn.BatchNorm2d``:
 
@@ -223,6 +233,13 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
     0, so it can be removed (:func:`remove_channels`). With :math:`a = 1` this is
     ``BatchNorm2d`` with weight 1 and bias ``b``. Running statistics behave as in
     ``BatchNorm2d``; ``affine`` is not accepted (the gate is the affine part).
+
+    The module has no ``weight`` or ``bias`` attribute (``affine`` is False):
+    reading them is an ``AttributeError`` that says where the scale and shift
+    are, so code that rebuilds a batch norm from them fails instead of silently
+    dropping the gates. ``nn.SyncBatchNorm.convert_sync_batchnorm`` is such
+    code: use :func:`convert_sync_batchnorm`, which turns this layer into a
+    :class:`SyncSparseBatchNorm2d`.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
@@ -230,6 +247,8 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
                  device=None, dtype=None):
         super().__init__(num_features, eps=eps, momentum=momentum, affine=False,
                          track_running_stats=track_running_stats, device=device, dtype=dtype)
+        # no weight/bias entries at all (affine=False registers them as None): see __getattr__
+        del self._parameters["weight"], self._parameters["bias"]
         self.gate = SparseGate(num_features, signed=signed, rgf=rgf, rgf_alpha=rgf_alpha, dtype=dtype, device=device)
         self.shift = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype or torch.get_default_dtype()))
 
@@ -243,8 +262,31 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
             with torch.no_grad():
                 self.shift.zero_()
 
+    def __getattr__(self, name: str):
+        if name in ("weight", "bias"):
+            raise AttributeError(_NO_AFFINE.format(cls=type(self).__name__))
+        return super().__getattr__(name)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"track_running_stats={self.track_running_stats}")
+
+    def _normalize(self, x: Tensor) -> Tensor:
+        """``x_hat`` with the statistics of ``BatchNorm2d`` (batch statistics in
+        training, running ones in eval; the running ones updated as there)."""
+        self._check_input_dim(x)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        return F.batch_norm(x, self.running_mean if track else None, self.running_var if track else None,
+                            None, None, batch_stats, factor, self.eps)
+
     def forward(self, x: Tensor) -> Tensor:
-        xhat = super().forward(x)
+        xhat = self._normalize(x)
         a = self.gate()
         shape = (1, -1) + (1,) * (x.dim() - 2)
         return a.view(shape) * (xhat + self.shift.view(shape))
@@ -252,6 +294,88 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
     def gates(self) -> Tensor:
         """The current gate vector a (eq. 12)."""
         return self.gate()
+
+
+def _sync_group(process_group):
+    """The group to synchronise over (``None`` -> the default group), or
+    ``None`` when there is no other process to synchronise with."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+class SyncSparseBatchNorm2d(SparseBatchNorm2d):
+    r""":class:`SparseBatchNorm2d` whose training statistics are those of the
+    batch over all processes of ``process_group`` (default: the default
+    group), as ``nn.SyncBatchNorm`` does for ``BatchNorm2d``, on every device
+    and backend (CPU with gloo included):
+
+    .. math:: \mu_c = \frac{1}{n}\sum_{r,i} x_{r,i,c}, \qquad
+              \sigma_c^2 = \frac{1}{n}\sum_{r,i} (x_{r,i,c} - \mu_c)^2
+
+    over the ``n`` values of channel ``c`` on all ranks ``r``; the running
+    statistics are updated with these (the variance unbiased, ``n / (n - 1)``),
+    so they are the same on every rank and equal to those of one process on the
+    concatenated batch. Two differentiable ``all_reduce`` calls per forward in
+    training (per-channel sums and count in float64, then the per-channel sums
+    of squared deviations: ``8 (C + 1)`` and ``8 C`` bytes), two more in
+    backward; in eval mode, or without an initialised process group of more
+    than one process, it is exactly :class:`SparseBatchNorm2d`. Gradients are
+    those of the sum of all ranks' losses, as with ``nn.SyncBatchNorm``.
+
+    Build it with :func:`convert_sync_batchnorm` (or
+    :func:`convert_to_sparse_batchnorm` of a model with ``nn.SyncBatchNorm``).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 track_running_stats: bool = True, signed: bool = True, rgf: bool = True, rgf_alpha: float = 0.1,
+                 process_group=None, device=None, dtype=None):
+        super().__init__(num_features, eps=eps, momentum=momentum, track_running_stats=track_running_stats,
+                         signed=signed, rgf=rgf, rgf_alpha=rgf_alpha, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _normalize(self, x: Tensor) -> Tensor:
+        group = _sync_group(self.process_group) if self.training else None
+        if group is None:
+            return super()._normalize(x)
+        self._check_input_dim(x)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return _sync_batch_norm(x, self.running_mean if self.track_running_stats else None,
+                                self.running_var if self.track_running_stats else None, factor, self.eps, group)
+
+
+def _sync_batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], factor: float,
+                     eps: float, group) -> Tensor:
+    """``(x - mu) / sqrt(var + eps)`` with the per-channel mean and (biased)
+    variance of ``x`` over every rank of ``group``, in two passes (the mean,
+    then the squared deviations from it: no cancellation), through the
+    differentiable ``torch.distributed.nn.functional.all_reduce``."""
+    from torch.distributed.nn.functional import all_reduce
+
+    c = x.shape[1]
+    dims = [0] + list(range(2, x.dim()))
+    shape = (1, c) + (1,) * (x.dim() - 2)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xa = x.to(acc)
+    count = torch.tensor([x.numel() // max(c, 1)], dtype=torch.float64, device=x.device)
+    totals = all_reduce(torch.cat([xa.sum(dims).double(), count]), group=group)
+    n = totals[-1].detach()
+    mean = (totals[:-1] / n).to(acc)
+    dev = xa - mean.view(shape)
+    m2 = all_reduce((dev * dev).sum(dims).double(), group=group)
+    var = (m2 / n).to(acc)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1.0 - factor).add_(mean.detach().to(running_mean.dtype), alpha=factor)
+            unbiased = (m2.detach() / (n - 1).clamp_min(1)).to(running_var.dtype)
+            running_var.mul_(1.0 - factor).add_(unbiased, alpha=factor)
+    return (dev * torch.rsqrt(var + eps).view(shape)).to(x.dtype)
 
 
 @torch.no_grad()
@@ -284,10 +408,12 @@ def _load_from_batchnorm(sbn: SparseBatchNorm2d, bn: nn.BatchNorm2d, preserve: b
 def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed: bool = True, rgf: bool = True,
                                 rgf_alpha: float = 0.1) -> nn.Module:
     r"""Replaces every ``nn.BatchNorm2d`` of ``model`` (in place) by a
-    :class:`SparseBatchNorm2d` and returns ``model``; when ``model`` itself is
-    an ``nn.BatchNorm2d``, returns its replacement (``model`` is left as it is,
-    as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does), so use the return
-    value. A BatchNorm2d registered under several names gets one replacement.
+    :class:`SparseBatchNorm2d`, and every ``nn.SyncBatchNorm`` by a
+    :class:`SyncSparseBatchNorm2d` with its ``process_group`` (it then expects
+    4-d input, as ``SparseBatchNorm2d`` does), and returns ``model``; when
+    ``model`` itself is one of them, returns its replacement (``model`` is left
+    as it is, as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does), so use the
+    return value. A batch norm registered under several names gets one replacement.
     Each replacement takes the dtype and device of its BatchNorm2d's tensors; one
     that holds none (``affine=False, track_running_stats=False``) takes those of
     the first floating-point parameter or buffer of ``model``, or the defaults
@@ -309,19 +435,22 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
     # a BatchNorm2d without tensors follows the model's (a neighbouring) tensors
     neighbour = next((t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()), None)
 
-    def convert(child: nn.BatchNorm2d) -> "SparseBatchNorm2d":
+    def convert(child: nn.Module) -> "SparseBatchNorm2d":
         p = child.running_mean if child.running_mean is not None else child.weight
         p = p if p is not None else neighbour
-        sbn = SparseBatchNorm2d(child.num_features, eps=child.eps, momentum=child.momentum,
-                                track_running_stats=child.track_running_stats, signed=signed, rgf=rgf,
-                                rgf_alpha=rgf_alpha, device=p.device if p is not None else None,
-                                dtype=p.dtype if p is not None else None)
+        options = dict(eps=child.eps, momentum=child.momentum, track_running_stats=child.track_running_stats,
+                       signed=signed, rgf=rgf, rgf_alpha=rgf_alpha, device=p.device if p is not None else None,
+                       dtype=p.dtype if p is not None else None)
+        if isinstance(child, nn.SyncBatchNorm):
+            sbn = SyncSparseBatchNorm2d(child.num_features, process_group=child.process_group, **options)
+        else:
+            sbn = SparseBatchNorm2d(child.num_features, **options)
         _load_from_batchnorm(sbn, child, preserve)
         sbn.train(child.training)
         return sbn
 
     def is_target(m: nn.Module) -> bool:
-        return isinstance(m, nn.BatchNorm2d) and not isinstance(m, SparseBatchNorm2d)
+        return isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)) and not isinstance(m, SparseBatchNorm2d)
 
     # build every replacement first (a BatchNorm2d under several names gets one
     # SparseBatchNorm2d, so the tying is kept), then swap them in
@@ -330,6 +459,51 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
         if is_target(m) and id(m) not in new:
             new[id(m)] = convert(m)
     return swap_modules(model, new)
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+    r"""``nn.SyncBatchNorm.convert_sync_batchnorm`` that keeps sparse batch norms:
+    every :class:`SparseBatchNorm2d` becomes a :class:`SyncSparseBatchNorm2d`
+    (same gate, shift and running statistics, the very same tensors), every
+    other ``BatchNorm*d`` an ``nn.SyncBatchNorm`` (torch's conversion);
+    existing synchronised layers are kept. Returns ``module`` (converted in
+    place), or the replacement when ``module`` itself is a batch norm, as
+    torch's function does; a layer registered under several names gets one
+    replacement.
+
+    torch's own function cannot keep the gates (it rebuilds every batch norm
+    from ``weight`` and ``bias``); on a model with a ``SparseBatchNorm2d`` it
+    raises an ``AttributeError`` naming this function. Note that
+    ``nn.SyncBatchNorm`` itself supports only accelerator inputs in training
+    (a ``ValueError`` on CPU), while ``SyncSparseBatchNorm2d`` synchronises on
+    any device and backend.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    new: Dict[int, nn.Module] = {}
+    for m in module.modules():
+        if id(m) in new or isinstance(m, (SyncSparseBatchNorm2d, nn.SyncBatchNorm)):
+            continue
+        if isinstance(m, SparseBatchNorm2d):
+            new[id(m)] = _to_sync_sparse(m, process_group)
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+            new[id(m)] = nn.SyncBatchNorm.convert_sync_batchnorm(m, process_group)
+    return swap_modules(module, new)
+
+
+def _to_sync_sparse(m: SparseBatchNorm2d, process_group) -> SyncSparseBatchNorm2d:
+    """A :class:`SyncSparseBatchNorm2d` holding ``m``'s gate, shift and buffers
+    (the same tensors, so optimizers and references stay valid)."""
+    sync = SyncSparseBatchNorm2d(m.num_features, eps=m.eps, momentum=m.momentum,
+                                 track_running_stats=m.track_running_stats, signed=m.gate.signed, rgf=m.gate.rgf,
+                                 rgf_alpha=m.gate.rgf_alpha, process_group=process_group, device="meta",
+                                 dtype=m.shift.dtype)
+    sync.gate = m.gate
+    sync.shift = m.shift
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(sync, name, getattr(m, name))
+    sync.train(m.training)
+    return sync
 
 
 def sparse_gates(model: nn.Module) -> List[Tensor]:
