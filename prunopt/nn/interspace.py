@@ -27,6 +27,7 @@ from torch.nn.modules.utils import _reverse_repeat_tuple
 from prunopt import ops
 from prunopt.ops import interspace as ops_interspace
 from prunopt.nn._swap import swap_modules
+from prunopt.nn._wrapping import check_not_wrapped
 from prunopt.reference.interspace import fb_reconstruct_reference
 from prunopt.validation import pair as _checked_pair
 from prunopt.validation import validate_fb_args, validate_fb_input
@@ -674,6 +675,9 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
         raise TypeError(f"sharing must be 'fine', 'coarse' or a callable, got {type(sharing).__name__}")
     if init not in _INITS:
         raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+    # new Parameters a DDP/FSDP wrapper would not know (and fully_shard's layers are no longer of type
+    # nn.Conv2d): convert before wrapping
+    check_not_wrapped(model, "to_interspace")
     # 1. build every basis and layer (named_modules lists a tied conv once)
     bases: Dict[Hashable, FilterBasis] = {}
     new: Dict[int, FBConv2d] = {}  # id(old conv) -> its replacement
