@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from prunopt.nn._wrapping import check_not_wrapped
 from prunopt.schedules import _real
 
 __all__ = [
@@ -145,6 +146,7 @@ class ProbMask(nn.Module):
             raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
         if mask.is_complex():
             raise TypeError(f"mask must be a bool or real tensor of 0s and 1s, got {mask.dtype}")
+        mask = _full(mask)  # a sharded mask (FSDP2): ``fixed`` is a replicated buffer
         if mask.shape != self.scores.shape:
             raise ValueError(f"mask must have shape {tuple(self.scores.shape)}, got {tuple(mask.shape)}")
         mask = mask.detach()
@@ -213,7 +215,16 @@ class ProbMaskInput(nn.Module):
 
 def _topk_mask(scores: List[Tensor], k: int) -> List[Tensor]:
     """Exactly ``k`` ones over all tensors jointly: the ``k`` largest scores,
-    ties broken towards the lower index of the concatenation."""
+    ties broken towards the lower index of the concatenation.  DTensor scores
+    (FSDP2 shards) give DTensor masks, selected exactly over the global
+    tensors with the same tie rule (by global index; no score is gathered)."""
+    if any(_is_dtensor(s) for s in scores):
+        total = sum(s.numel() for s in scores)
+        if not (0 <= k <= total):
+            raise ValueError(f"k must be in [0, {total}], got {k}")
+        from prunopt.pruning import _dist
+
+        return _dist.top_k_masks([s.detach() for s in scores], k)
     flat = torch.cat([s.detach().reshape(-1).double() for s in scores])
     if not (0 <= k <= flat.numel()):
         raise ValueError(f"k must be in [0, {flat.numel()}], got {k}")
@@ -227,6 +238,19 @@ def _topk_mask(scores: List[Tensor], k: int) -> List[Tensor]:
         out.append(keep[start:start + s.numel()].reshape(s.shape))
         start += s.numel()
     return out
+
+
+def _is_dtensor(t) -> bool:
+    from prunopt.pruning import _dist
+
+    return _dist.is_dtensor(t)
+
+
+def _full(mask: Tensor) -> Tensor:
+    """A DTensor mask gathered whole (``fixed`` is a replicated buffer), else ``mask``."""
+    from prunopt.pruning import _dist
+
+    return _dist.full_tensor(mask)
 
 
 def _check_model(model) -> None:
@@ -330,6 +354,8 @@ def apply_probmask(model: nn.Module, layer_types: Tuple[Type[nn.Module], ...] = 
     unknown = exclude - known
     if unknown:
         raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
+
+    check_not_wrapped(model, "apply_probmask")  # its parametrizations must come before DDP/FSDP
 
     # 1. check every selected layer; group them by weight Parameter (ties)
     groups: "dict[int, list]" = {}
@@ -438,7 +464,11 @@ def finalize_probmask(model: nn.Module, density: float) -> int:
     scores with ``k = round(density * D)`` (D = number of scores, a tied
     weight's counted once): exactly the budgeted number of ones over all masks
     jointly. For separate budgets call it on submodules, or use
-    ``pm.fix(pm.deterministic_mask(k))`` on one mask. Returns ``k``."""
+    ``pm.fix(pm.deterministic_mask(k))`` on one mask. Returns ``k``.
+
+    Under FSDP2 (DTensor scores) the selection is exact over the global
+    scores with the same tie rule, and every rank fixes the same mask; under
+    DDP the scores, hence the masks, are the same on every rank."""
     density = _real(density, "density")
     if not (0.0 <= density <= 1.0):
         raise ValueError(f"density must be in [0, 1], got {density}")
@@ -448,7 +478,7 @@ def finalize_probmask(model: nn.Module, density: float) -> int:
     total = sum(pm.scores.numel() for _, pm in masks)
     k = int(round(density * total))
     for (_, pm), m in zip(masks, _topk_mask([pm.scores for _, pm in masks], k)):
-        pm.fix(m)
+        pm.fix(_full(m))
     return k
 
 
@@ -487,11 +517,13 @@ def probmask_density(model: nn.Module) -> float:
     masks = probmask_modules(model)
     if not masks:
         raise ValueError("the model has no ProbMask")
+    from prunopt.pruning import _dist
+
     ones = 0
     total = 0
     for _, pm in masks:
         m = pm.fixed if pm.fixed.numel() else pm.deterministic_mask()
-        ones += int(m.sum().item())
+        ones += _dist.global_count([m], lambda t: t)  # over the global scores under FSDP2
         total += m.numel()
     if total == 0:
         raise ValueError("the model's masks have no entries: the density is undefined")

@@ -8,6 +8,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from prunopt.pruning import _dist
+
 __all__ = ["magnitude_prune_", "magnitude_masks", "rho_omega", "sparsity"]
 
 
@@ -26,6 +28,12 @@ def magnitude_masks(params, sigma: Optional[float] = None, delta: Optional[float
       * ``sigma`` in [0, 1]: remove the ``round(sigma * n)`` elements of smallest
         ``|x|`` (ties broken by position, so the count is exact);
       * ``delta >= 0``: remove every element with ``|x| < delta``.
+
+    DTensor ``params`` (FSDP2 shards) give DTensor masks of the same layout:
+    the ``sigma`` selection is exact over the global tensors, with ties broken
+    by global position (the earlier entry is removed first, as here), so the
+    masks equal the one-process masks on any number of ranks; no parameter is
+    gathered.
     """
     ps = _as_list(params)
     if (sigma is None) == (delta is None):
@@ -35,6 +43,10 @@ def magnitude_masks(params, sigma: Optional[float] = None, delta: Optional[float
             raise ValueError(f"sigma must be a fraction in [0, 1], got {sigma}")
         n = sum(p.numel() for p in ps)
         count = int(round(sigma * n))
+        if any(_dist.is_dtensor(p) for p in ps):
+            removed = _dist.top_k_masks([_dist.like(_dist.local(p).detach().abs(), p) for p in ps], count,
+                                        largest=False)
+            return [_dist.like(~_dist.local(r), r) for r in removed]
         flat = torch.cat([p.detach().reshape(-1).abs() for p in ps]) if ps else torch.zeros(0)
         keep = torch.ones(n, dtype=torch.bool, device=flat.device)
         if count > 0:
@@ -53,15 +65,16 @@ def magnitude_prune_(params, sigma: Optional[float] = None, delta: Optional[floa
     ps = _as_list(params)
     masks = magnitude_masks(ps, sigma=sigma, delta=delta)
     for p, m in zip(ps, masks):
-        p.mul_(m)
+        _dist.local(p).mul_(_dist.local(m))  # a shard by its block of the mask under FSDP2
     return masks
 
 
 def sparsity(params) -> float:
-    """Fraction of exactly-zero elements over all ``params``."""
+    """Fraction of exactly-zero elements over all ``params`` (over the global
+    tensors for DTensor shards)."""
     ps = _as_list(params)
     n = sum(p.numel() for p in ps)
-    return sum(int((p == 0).sum()) for p in ps) / n if n else 0.0
+    return _dist.global_count(ps, lambda t: t == 0) / n if n else 0.0
 
 
 def rho_omega(f: Callable[[Sequence[Tensor]], Tensor], x: Sequence[Tensor], x_pruned: Sequence[Tensor]) -> Tuple[float, float]:

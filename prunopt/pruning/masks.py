@@ -29,6 +29,7 @@ accumulators).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+
+from prunopt.pruning import _dist
 
 __all__ = [
     "WeightMask",
@@ -110,10 +113,14 @@ class PrunableTensor:
         return None
 
     def effective(self) -> Tensor:
-        """The weight the layer computes with: ``w * mu`` (or ``lam * mu``)."""
+        """The weight the layer computes with: ``w * mu`` (or ``lam * mu``).
+        Under FSDP2 a DTensor laid out as the parameter (each rank's shard
+        times its block of the replicated mask)."""
         mask = self.mask
         p = self.parameter
-        return p if mask is None else p * mask.to(p.dtype)
+        if mask is None:
+            return p
+        return _dist.like(_dist.local(p) * _dist.local_part(mask, p).to(p.dtype), p)
 
     @property
     def spatial_numel(self) -> int:
@@ -220,6 +227,20 @@ class Masker:
     already parametrized by anything but a :class:`WeightMask` (e.g.
     ``torch.nn.utils.parametrizations.weight_norm``) is a ``ValueError`` naming
     the layer, and the model is left untouched.
+
+    **Distributed training.**  Build the masker on the plain model on every
+    rank, *then* wrap the model (``DistributedDataParallel(model)`` or
+    ``fully_shard``): a masker that would register its parametrization on a
+    wrapped model (or on the module inside a DDP) is a ``ValueError`` saying
+    so.  The masks stay identical on every rank: under DDP the parameters are
+    identical and the methods average what differs (gradients of the local
+    batches) over ``process_group`` (default: the default group, once
+    initialised; resolved at each use) and draw random choices from a
+    generator shared by all ranks; under FSDP2 the parameters, scores and
+    gradients are DTensor shards, the masks are replicated buffers (FSDP2
+    does not shard buffers), each rank applies its block of them to its
+    shard, and selections are exact over the global tensors
+    (``docs/distributed.md``).  :meth:`set_masks` takes plain or DTensor masks.
     """
 
     def __init__(
@@ -229,8 +250,11 @@ class Masker:
         include: Optional[Sequence[str]] = None,
         exclude: Optional[Sequence[str]] = None,
         zero_state_every_step: bool = True,
+        process_group=None,
     ):
         self.model = model
+        #: the group the methods average over under DDP (``None``: the default group)
+        self.process_group = process_group
         found = prunable_tensors(model, include, exclude)
         if not found:
             raise ValueError("model has no prunable tensors (Conv2d/Linear weights or FBConv2d coefficients)")
@@ -244,6 +268,11 @@ class Masker:
         groups = _tie_groups(found)
         for group in groups:
             _check_tie(group)
+        if any(not pt.interspace and not _weight_masks(pt.module) for g in groups for pt in g):
+            # a new parametrization re-sets the weight (a new gradient accumulator): before DDP/FSDP only
+            from prunopt.nn._wrapping import check_not_wrapped
+
+            check_not_wrapped(model, "Masker")
         self.tensors: "OrderedDict[str, PrunableTensor]" = OrderedDict((g[0].name, g[0]) for g in groups)
         #: alias tensor FQN -> FQN of the tied tensor whose mask it shares
         self.aliases: "OrderedDict[str, str]" = OrderedDict((a.name, g[0].name) for g in groups for a in g[1:])
@@ -335,6 +364,7 @@ class Masker:
             pt = self.tensors[key]
             if not isinstance(m, Tensor):
                 raise TypeError(f"masks[{name!r}] must be a tensor, got {type(m).__name__}")
+            m = _dist.full_tensor(m)  # a sharded mask (FSDP2 selections): the replicated buffer needs all of it
             if tuple(m.shape) != tuple(pt.parameter.shape):
                 raise ValueError(f"masks[{name!r}] has shape {tuple(m.shape)}, expected {tuple(pt.parameter.shape)}")
             if m.dtype != torch.bool:
@@ -359,17 +389,24 @@ class Masker:
 
     apply = step
 
-    def _float_mask(self, pt: PrunableTensor, dtype: torch.dtype) -> Tensor:
-        m = pt.mask
-        return m if m.dtype == dtype else m.to(dtype)
+    def group(self):
+        """The resolved process group the masks are kept identical over under
+        DDP (``None`` in a single process; see the class docstring)."""
+        return _dist.resolve_group(self.process_group)
+
+    def _float_mask(self, pt: PrunableTensor, p: Tensor) -> Tensor:
+        """The mask in ``p``'s dtype, restricted to ``p``'s local shard under FSDP2."""
+        m = _dist.local_part(pt.mask, p)
+        return m if m.dtype == p.dtype else m.to(p.dtype)
 
     def _apply(self, pts: List[PrunableTensor], zero_state: bool) -> None:
         if not pts:
             return
         params = [pt.parameter for pt in pts]
-        masks = [self._float_mask(pt, p.dtype) for pt, p in zip(pts, params)]
+        masks = [self._float_mask(pt, p) for pt, p in zip(pts, params)]
         with torch.no_grad():
-            torch._foreach_mul_(params, masks)  # in place on the Parameters: bumps their version counters
+            # in place on the Parameters (their local shards under FSDP2): bumps their version counters
+            torch._foreach_mul_([_dist.local(p) for p in params], masks)
             if not zero_state:
                 return
             states, smasks = [], []
@@ -380,7 +417,7 @@ class Masker:
                         continue
                     for v in st.values():
                         if isinstance(v, Tensor) and v.shape == p.shape and v is not p:
-                            states.append(v)
+                            states.append(_dist.local(v))
                             smasks.append(m if v.dtype == m.dtype else m.to(v.dtype))
             if states:
                 torch._foreach_mul_(states, smasks)
@@ -393,26 +430,42 @@ class Masker:
 
         Because pruned entries are exactly zero, setting every mask to one does
         not change the forward pass; the closure runs (forward only; this method
-        calls ``backward``) with all-ones masks, the masks are restored after.
-        Existing ``.grad`` fields are left untouched."""
+        back-propagates) with all-ones masks, the masks are restored after.
+        Existing ``.grad`` fields are left untouched.
+
+        **Distributed.**  Under DDP (plain parameters) the gradients are taken
+        with ``torch.autograd.grad`` on the rank's batch and then averaged over
+        :meth:`group` (one all-reduce of the masked tensors' gradients), so every
+        rank gets the gradient of the global batch.  The closure may call the
+        DDP-wrapped model: during it DDP does not arm its gradient hooks (as
+        under ``ddp.no_sync()``).  Under FSDP2 (DTensor parameters) the loss is
+        back-propagated with ``backward()``, which FSDP2 reduce-scatters and
+        averages into sharded gradients (DTensors, returned as such); the
+        model's ``.grad`` fields are saved and restored around it."""
         saved = {n: pt.mask.detach().clone() for n, pt in self.tensors.items()}
         params = self.parameters()
+        sharded = any(_dist.is_dtensor(p) for p in params)
         try:
             with torch.no_grad():
                 for pt in self.tensors.values():
                     pt.mask.fill_(1)
             with torch.enable_grad():
-                loss = closure()
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    raise TypeError("closure must return a scalar loss tensor")
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                if sharded:
+                    grads = _backward_gradients(self.model, params, closure)
+                else:
+                    with _ddp_no_sync():
+                        loss = _check_loss(closure())
+                    grads = list(torch.autograd.grad(loss, params, allow_unused=True))
         finally:
             with torch.no_grad():
                 for n, pt in self.tensors.items():
                     pt.mask.copy_(saved[n])
-        return OrderedDict(
+        out = OrderedDict(
             (n, torch.zeros_like(p) if g is None else g.detach()) for n, p, g in zip(self.tensors, params, grads)
         )
+        if not sharded:
+            _dist.all_reduce_mean_(list(out.values()), self.group())
+        return out
 
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> Dict[str, object]:
@@ -439,6 +492,55 @@ class Masker:
         too and still share their Parameter after (with ``to_conv2d`` each tied
         FBConv2d becomes its own ``nn.Conv2d``).  Returns the model."""
         return _bake_masks(self.model, list(self.tensors.values()) + list(self._alias_tensors.values()), to_conv2d)
+
+
+def _check_loss(loss) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise TypeError("closure must return a scalar loss tensor")
+    return loss
+
+
+@contextlib.contextmanager
+def _ddp_no_sync():
+    """While active, a ``DistributedDataParallel`` forward does not arm its
+    gradient hooks (``ddp.no_sync()`` for every DDP module that runs): the
+    gradients are taken with ``autograd.grad``, which never fires them, and an
+    armed reducer would fail the next forward ("Expected to have finished
+    reduction in the prior iteration")."""
+    if not _dist.initialized():
+        yield
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    paused = []
+
+    def pause(module, args):
+        if isinstance(module, DistributedDataParallel) and module.require_backward_grad_sync:
+            module.require_backward_grad_sync = False
+            paused.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(pause)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for module in paused:
+            module.require_backward_grad_sync = True
+
+
+def _backward_gradients(model: nn.Module, params: List[Tensor], closure) -> List[Optional[Tensor]]:
+    """``d closure() / d params`` through ``backward()`` (what FSDP2 reduces
+    into sharded gradients), leaving every ``.grad`` of ``model`` as it was."""
+    everything = list({id(p): p for p in list(model.parameters()) + list(params)}.values())
+    before = [p.grad for p in everything]
+    try:
+        for p in everything:
+            p.grad = None
+        _check_loss(closure()).backward()
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(everything, before):
+            p.grad = g
 
 
 def _weight_masks(module: nn.Module) -> List[WeightMask]:

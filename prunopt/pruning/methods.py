@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.pruning import _dist
 from prunopt.pruning.masks import Masker
 from prunopt.pruning.scores import _batches, grasp_scores, magnitude_scores, random_scores, snip_scores, synflow_scores
 from prunopt.pruning.selection import (
-    _top_k_mask,
     check_sparsity,
     erk_counts,
     global_masks,
@@ -60,6 +60,32 @@ def _check_masker(masker) -> Masker:
     if not isinstance(masker, Masker):
         raise TypeError(f"masker must be a prunopt.pruning.Masker, got {type(masker).__name__}")
     return masker
+
+
+def _shared_generator(generator: Optional[torch.Generator], group) -> torch.Generator:
+    """The generator of a method's random choices, in the same state on every
+    rank: ``generator`` or, when ``None``, a new CPU generator seeded with one
+    draw from torch's global generator (so ``torch.manual_seed`` reproduces a
+    run); under a process group its state is then set to that of the group's
+    first rank (one broadcast), so per-rank seeds do not matter."""
+    if generator is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator().manual_seed(seed)
+    elif not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    _dist.broadcast_generator_(generator, group)
+    return generator
+
+
+def _check_generator_state(state, generator: torch.Generator) -> Tensor:
+    """``ValueError`` unless ``state`` is a state ``generator`` accepts (tried on a fresh one)."""
+    if not isinstance(state, Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError("state['generator'] must be the uint8 tensor of torch.Generator.get_state()")
+    try:
+        torch.Generator(device=generator.device).set_state(state)
+    except RuntimeError as e:
+        raise ValueError(f"state['generator'] is not a state of a {generator.device} generator: {e}") from None
+    return state
 
 
 def _check_int(v, name: str, minimum: int = 0) -> int:
@@ -108,9 +134,9 @@ def _select_keeping_pruned(scores: "OrderedDict[str, Tensor]", masks: "OrderedDi
     the count would still reach are dropped by ``& masks``: a model already
     sparser than ``p`` (overall, or in a layer for ``"layerwise"``) keeps its
     masks."""
-    scores = OrderedDict((n, s.masked_fill(~masks[n], float("-inf"))) for n, s in scores.items())
+    scores = OrderedDict((n, _dist.masked_fill(s, ~masks[n], float("-inf"))) for n, s in scores.items())
     new = global_masks(scores, p) if scope == "global" else layerwise_masks(scores, p)
-    return OrderedDict((n, m & masks[n].to(m.device)) for n, m in new.items())
+    return OrderedDict((n, _dist.logical_and_full(m, masks[n])) for n, m in new.items())
 
 
 def magnitude_prune(masker: Masker, sparsity: float, scope: str = "global", keep_pruned: bool = True) -> None:
@@ -180,7 +206,8 @@ class PruningAtInit(PruningMethod):
         self.score = score
         self.sparsity = check_sparsity(sparsity)
         self.synflow_rounds = _check_int(synflow_rounds, "synflow_rounds", 1)
-        self.generator = generator
+        # random scores: one generator in the same state on every rank (broadcast from the first)
+        self.generator = _shared_generator(generator, masker.group()) if score == "random" else generator
         self.loss_fn = loss_fn
 
     def prune(self, batches=None, example_input=None) -> None:
@@ -444,7 +471,7 @@ class LotteryTicket(PruningMethod):
         kept = sum(int(masks[n].sum()) for n in names)
         target = max(kept_count(self.sparsity, total), math.floor((1.0 - self.rate) * kept + 1e-9))
         scores = magnitude_scores(m)
-        scores = OrderedDict((n, scores[n].masked_fill(~masks[n], float("-inf"))) for n in names)
+        scores = OrderedDict((n, _dist.masked_fill(scores[n], ~masks[n], float("-inf"))) for n in names)
         new = global_masks(scores, 1.0 - target / total)
         # rewind, then impose the new masks (the t0 snapshot carries t0's masks)
         m.model.load_state_dict(self._snapshot["model"])
@@ -492,7 +519,19 @@ class DynamicSparseTraining(PruningMethod):
 
     RigL needs the dense gradient: pass ``closure`` (returning the loss of a
     batch, forward only) to :meth:`step`; it is evaluated on update steps only,
-    through :meth:`Masker.dense_gradients`."""
+    through :meth:`Masker.dense_gradients`.
+
+    The random choices (initial masks, SET's regrowth) come from
+    ``generator``, or, when ``None``, from a CPU generator seeded with one
+    draw from torch's global generator.  Under a process group (DDP, FSDP2)
+    its state is set at construction to that of the first rank, so every rank
+    draws the same numbers whatever its seed; :meth:`state_dict` carries the
+    state (``"generator"``), so a resumed run draws what an uninterrupted one
+    would.  RigL's dense gradient is averaged over the ranks
+    (:meth:`Masker.dense_gradients`); every selection is exact over the
+    global tensors also when sharded (``docs/distributed.md``).  Masks are
+    therefore the same on every rank at every step, and equal to those of one
+    process that sees every rank's batch."""
 
     def __init__(self, masker: Masker, sparsity: float, total_steps: int, mode: str = "set",
                  update_interval: Optional[int] = None, p_init: float = 0.5, p_min: float = 0.005,
@@ -509,18 +548,37 @@ class DynamicSparseTraining(PruningMethod):
         check_sparsity(p_init, "p_init")
         check_sparsity(p_min, "p_min")
         self.p_init, self.p_min = float(p_init), float(p_min)
-        self.generator = generator
         shapes = OrderedDict((n, pt.spatial_shape) for n, pt in masker.tensors.items())
         numels = OrderedDict((n, pt.parameter.numel()) for n, pt in masker.tensors.items())
         self.layer_counts = erk_counts(shapes, 1.0 - self.sparsity, numels=numels)
-        scores = random_scores(masker, generator)
-        masks = OrderedDict()
-        for n, s in scores.items():
-            masks[n] = _top_k_mask(s.reshape(-1).cpu().double(), self.layer_counts[n]).reshape(s.shape).to(s.device)
+        self.generator = _shared_generator(generator, masker.group())
+        scores = random_scores(masker, self.generator)
+        masks = OrderedDict((n, _dist.top_k_masks([s], self.layer_counts[n])[0]) for n, s in scores.items())
         masker.set_masks(masks)
         self.updates = 0
 
     _state_keys = ("last_step", "updates")
+
+    def state_dict(self) -> Dict[str, object]:
+        """``last_step``, ``updates`` and ``generator``: the state of the
+        generator of the random choices (``torch.Generator.get_state()``), so
+        a resumed SET run regrows what an uninterrupted one would."""
+        state = super().state_dict()
+        state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore :meth:`state_dict`; a state without ``generator`` (saved
+        before it was recorded) keeps the current generator state.  Checked
+        before anything changes."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        gen = state.get("generator")
+        if gen is not None:
+            _check_generator_state(gen, self.generator)
+        super().load_state_dict(state)
+        if gen is not None:
+            self.generator.set_state(gen.clone())
 
     def drop_fraction(self, t: Optional[int] = None) -> float:
         """``p_t`` of A.77 at step ``t`` (default: ``last_step``)."""
@@ -559,16 +617,14 @@ class DynamicSparseTraining(PruningMethod):
         mags = magnitude_scores(m)
         new = OrderedDict()
         for n, mask in masks.items():
-            flat = mask.reshape(-1).cpu()
-            active = int(flat.sum())
-            n_drop = min(math.floor(p_t * active), flat.numel() - active)
+            active = int(mask.sum())
+            n_drop = min(math.floor(p_t * active), mask.numel() - active)
             if n_drop <= 0:
                 continue
-            mag = mags[n].reshape(-1).cpu().double().masked_fill(~flat, float("-inf"))
-            kept = _top_k_mask(mag, active - n_drop)
-            g = grow_scores[n].reshape(-1).cpu().double().masked_fill(flat, float("-inf"))
-            grown = _top_k_mask(g, n_drop)
-            new[n] = (kept | grown).reshape(mask.shape).to(mask.device)
+            # drop the smallest |w| among the active, grow the largest scores among the inactive
+            kept = _dist.top_k_masks([_dist.masked_fill(mags[n], ~mask, float("-inf"))], active - n_drop)[0]
+            grown = _dist.top_k_masks([_dist.masked_fill(grow_scores[n], mask, float("-inf"))], n_drop)[0]
+            new[n] = _dist.logical_or(kept, grown)
         if new:
             m.set_masks(new)  # zeroes the dropped weights; grown ones are already 0
         self.updates += 1

@@ -14,6 +14,19 @@ scores (SNIP, GraSP, SynFlow) enable autograd for their own passes, so they
 also work when called under ``torch.no_grad()``.  Tied layers (one Parameter
 held by several layers) are one tensor, scored under its first name, as in
 :class:`~prunopt.pruning.Masker`.
+
+**Distributed.**  Under DDP every rank passes its own batches (the same
+number on every rank) to the unwrapped model or the masker: the gradients
+(SNIP; GraSP's gradient and Hessian-vector product) are averaged over the
+masker's process group (the default group for a plain module), so the scores
+are those of one process given every rank's batches, the same on every rank.
+SynFlow uses no data; random scores need a generator in the same state on
+every rank (the methods keep one).  Under FSDP2 the scores are DTensors laid
+out as the parameters: the gradients come from ``backward()``, which FSDP2
+averages over the ranks; random scores draw the whole tensor and keep the
+rank's block, so they equal the one-process draw.  GraSP needs a double
+backward, which FSDP2 does not provide: it raises ``NotImplementedError``
+there (score before ``fully_shard``, or under DDP).
 """
 from __future__ import annotations
 
@@ -25,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prunopt.pruning.masks import Masker, PrunableTensor, _distinct_tensors, prunable_tensors
+from prunopt.pruning import _dist
+from prunopt.pruning.masks import Masker, PrunableTensor, _backward_gradients, _distinct_tensors, prunable_tensors
 
 __all__ = [
     "random_scores",
@@ -49,6 +63,15 @@ def _resolve(target: Target) -> Tuple[nn.Module, "OrderedDict[str, PrunableTenso
             raise ValueError("target has no prunable tensors")
         return target, tensors
     raise TypeError(f"target must be a Masker or an nn.Module, got {type(target).__name__}")
+
+
+def _group(target: Target):
+    """The group DDP gradients are averaged over: the masker's, else the default one."""
+    return target.group() if isinstance(target, Masker) else _dist.resolve_group(None)
+
+
+def _sharded(params: List[Tensor]) -> bool:
+    return any(_dist.is_dtensor(p) for p in params)
 
 
 @contextlib.contextmanager
@@ -85,8 +108,8 @@ def random_scores(target: Target, generator: Optional[torch.Generator] = None) -
     out = OrderedDict()
     for n, pt in tensors.items():
         p = pt.parameter
-        s = torch.randn(p.shape, generator=generator, dtype=torch.float32)
-        out[n] = s.to(p.device)
+        s = torch.randn(p.shape, generator=generator, dtype=torch.float32)  # the whole tensor, also when sharded
+        out[n] = _dist.like(_dist.local_part(s, p).to(_dist.local(p).device), p)
     return out
 
 
@@ -97,15 +120,23 @@ def magnitude_scores(target: Target) -> "OrderedDict[str, Tensor]":
         return OrderedDict((n, pt.effective().detach().abs()) for n, pt in tensors.items())
 
 
-def _mean_grads(model, params, batches, loss_fn, temperature=1.0, create_graph=False):
+def _mean_grads(model, params, batches, loss_fn, temperature=1.0, group=None):
+    """Mean gradient over the batches (and, under DDP, over the ranks of
+    ``group``; under FSDP2 ``backward()`` averages over the ranks)."""
     acc = [torch.zeros_like(p) for p in params]
     for x, y in batches:
-        loss = loss_fn(model(x) / temperature, y)
-        gs = torch.autograd.grad(loss, params, allow_unused=True, create_graph=create_graph)
+        if _sharded(params):
+            gs = _backward_gradients(model, params, lambda: loss_fn(model(x) / temperature, y))
+        else:
+            loss = loss_fn(model(x) / temperature, y)
+            gs = torch.autograd.grad(loss, params, allow_unused=True)
         for a, g in zip(acc, gs):
             if g is not None:
                 a.add_(g.detach())
-    return [a / len(batches) for a in acc]
+    out = [a / len(batches) for a in acc]
+    if not _sharded(params):
+        _dist.all_reduce_mean_(out, group)
+    return out
 
 
 def snip_scores(
@@ -118,7 +149,7 @@ def snip_scores(
     batches = _batches(batches)
     params = [pt.parameter for pt in tensors.values()]
     with _preserved(model, train=True), torch.enable_grad():
-        grads = _mean_grads(model, params, batches, loss_fn)
+        grads = _mean_grads(model, params, batches, loss_fn, group=_group(target))
     with torch.no_grad():
         return OrderedDict((n, (g * pt.effective()).abs().detach()) for (n, pt), g in zip(tensors.items(), grads))
 
@@ -148,8 +179,14 @@ def grasp_scores(
     model, tensors = _resolve(target)
     batches = _batches(batches)
     params = [pt.parameter for pt in tensors.values()]
+    if _sharded(params):
+        raise NotImplementedError(
+            "GraSP needs a Hessian-vector product (a double backward), which FSDP2's sharded parameters do not "
+            "support: compute GraSP scores before fully_shard (e.g. on every rank, or under DDP) and pass the "
+            "masks on")
+    group = _group(target)
     with _preserved(model, train=True), torch.enable_grad():
-        g_fixed = _mean_grads(model, params, batches, loss_fn, temperature)  # first backward: g_v
+        g_fixed = _mean_grads(model, params, batches, loss_fn, temperature, group)  # first backward: g_v
         hg = [torch.zeros_like(p) for p in params]
         for x, y in batches:
             loss = loss_fn(model(x) / temperature, y)
@@ -161,6 +198,7 @@ def grasp_scores(
             for a, h in zip(hg, hvs):
                 if h is not None:
                     a.add_(h.detach())
+        _dist.all_reduce_mean_(hg, group)  # the sum over the rank's batches, averaged over the ranks
     with torch.no_grad():
         return OrderedDict(
             (n, (-(h / len(batches)) * pt.effective()).detach()) for (n, pt), h in zip(tensors.items(), hg)
@@ -194,8 +232,10 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
                 for t in values:
                     t.abs_()
             with torch.enable_grad():
-                r = model(ones).sum()
-                grads = torch.autograd.grad(r, params, allow_unused=True)
+                if _sharded(params):  # FSDP2: backward() (every rank computes the same R; averaged)
+                    grads = _backward_gradients(model, params, lambda: model(ones).sum())
+                else:
+                    grads = torch.autograd.grad(model(ones).sum(), params, allow_unused=True)
             with torch.no_grad():
                 out = OrderedDict(
                     (n, torch.zeros_like(pt.parameter) if g is None else (g * pt.effective()).detach())

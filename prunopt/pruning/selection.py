@@ -7,6 +7,12 @@ in row-major order).  Among equal scores the entry that comes first in this
 order is kept.  Hence exactly ``k`` entries are kept, deterministically, for
 any scores (including all-equal ones).  ``-inf`` is allowed (such an entry is
 kept only when ``k`` exceeds the number of finite scores); NaN is rejected.
+
+**Sharded scores.**  Scores that are DTensors (FSDP2: each rank holds a block
+of rows) give DTensor masks of the same layout, selected exactly over the
+global tensors with the same tie rule: the position of an entry is its global
+position, so the masks equal the one-process masks of the full tensors on any
+number of ranks (``prunopt.pruning._dist``; no score tensor is gathered).
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from typing import Dict, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from prunopt.pruning import _dist
 
 __all__ = [
     "check_sparsity",
@@ -74,7 +82,8 @@ def kept_count(sparsity: float, d: int) -> int:
     return max(0, min(d, k))
 
 
-def _check_scores(scores: Mapping[str, Tensor]) -> None:
+def _check_scores(scores: Mapping[str, Tensor]) -> bool:
+    """Validate ``scores``; True when any is a DTensor (the sharded path)."""
     if not isinstance(scores, Mapping) or not scores:
         raise ValueError("scores must be a non-empty mapping of tensor names to score tensors")
     for n, s in scores.items():
@@ -82,8 +91,13 @@ def _check_scores(scores: Mapping[str, Tensor]) -> None:
             raise TypeError(f"scores[{n!r}] must be a tensor, got {type(s).__name__}")
         if not s.is_floating_point():
             raise TypeError(f"scores[{n!r}] must be floating point, got {s.dtype}")
-        if bool(torch.isnan(s).any()):
+    sharded = any(_dist.is_dtensor(s) for s in scores.values())
+    group = _dist.shard_group(list(scores.values())) if sharded else None
+    for n, s in scores.items():
+        # a NaN in one rank's shard is an error on every rank (none is left waiting in a collective)
+        if _dist.any_rank(bool(torch.isnan(_dist.local(s)).any()), group):
             raise ValueError(f"scores[{n!r}] contains NaN")
+    return sharded
 
 
 def _top_k_mask(flat: Tensor, k: int) -> Tensor:
@@ -101,7 +115,9 @@ def global_masks(scores: Mapping[str, Tensor], sparsity: float) -> "OrderedDict[
 
     Returns boolean masks of the scores' shapes, keyed like ``scores``."""
     p = check_sparsity(sparsity)
-    _check_scores(scores)
+    if _check_scores(scores):
+        k = kept_count(p, sum(s.numel() for s in scores.values()))
+        return OrderedDict(zip(scores, _dist.top_k_masks(list(scores.values()), k)))
     flat = torch.cat([s.detach().reshape(-1).to("cpu", torch.float64) for s in scores.values()])
     keep = _top_k_mask(flat, kept_count(p, flat.numel()))
     out, i = OrderedDict(), 0
@@ -118,7 +134,7 @@ def layerwise_masks(
     largest scores (A.39 per layer; paper App. F.1, used by DST).  ``sparsity``
     is one rate for all layers or a mapping tensor name -> ``p_l`` covering every
     scored tensor."""
-    _check_scores(scores)
+    sharded = _check_scores(scores)
     if isinstance(sparsity, Mapping):
         _check_layer_keys(sparsity, scores, "sparsity", "rate")
         rates = {n: check_sparsity(sparsity[n], f"sparsity[{n!r}]") for n in scores}
@@ -127,6 +143,9 @@ def layerwise_masks(
         rates = {n: p for n in scores}
     out = OrderedDict()
     for n, s in scores.items():
+        if sharded:
+            out[n] = _dist.top_k_masks([s], kept_count(rates[n], s.numel()))[0]
+            continue
         flat = s.detach().reshape(-1).to("cpu", torch.float64)
         out[n] = _top_k_mask(flat, kept_count(rates[n], flat.numel())).reshape(s.shape).to(s.device)
     return out
