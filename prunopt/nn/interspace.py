@@ -650,7 +650,9 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
     Returns ``model``; when ``model`` itself is an ``nn.Conv2d`` it converts, the
     new :class:`FBConv2d` (``model`` is left unchanged, as
     ``nn.SyncBatchNorm.convert_sync_batchnorm`` does), so use the return value:
-    ``model = to_interspace(model)``.
+    ``model = to_interspace(model)``. Convert before wrapping the model in
+    ``DistributedDataParallel`` or ``fully_shard``: a wrapped model (or the
+    module inside a live DDP) is a ``ValueError``.
 
     Args:
         sharing: ``"fine"`` one basis per layer; ``"coarse"`` one basis per kernel

@@ -330,7 +330,11 @@ def apply_probmask(model: nn.Module, layer_types: Tuple[Type[nn.Module], ...] = 
     (lazy modules), computed by a hook (``torch.nn.utils.prune``, the old
     ``weight_norm``) or already parametrized by anything but a ProbMask
     (``torch.nn.utils.parametrizations.weight_norm``) is a ``ValueError``
-    naming the layer, and the model is left as it was.
+    naming the layer, and the model is left as it was. So is a model wrapped
+    in ``DistributedDataParallel`` or ``fully_shard`` (or the module inside a
+    live DDP): apply the masks first, then wrap (a parametrization registered
+    after DDP re-sets the weight, whose new gradient accumulator DDP's hooks
+    never see).
 
     Returns ``[(qualified_name, mask), ...]``: one entry per ProbMask this
     call registered, under the first (in module order) of the layers that
@@ -489,9 +493,13 @@ def remove_probmask(model: nn.Module) -> None:
     layers is baked once and the layers still share their Parameter after.
     :class:`ProbMaskInput` layers are left in place. A weight that carries a
     ProbMask and another parametrization is a ``ValueError`` naming the layer,
-    raised before any layer is changed."""
+    raised before any layer is changed; so is a DDP- or FSDP-wrapped model
+    (bake the masks into an unwrapped model, e.g. one loaded from the full
+    state dict)."""
     _check_model(model)
     uses = _weight_uses(model)
+    if uses:  # removing a parametrization re-sets the weight: a DDP/FSDP wrapper would lose it
+        check_not_wrapped(model, "remove_probmask")
     for name, module, _ in uses:
         kinds = [type(p).__name__ for p in module.parametrizations["weight"]]
         if len(kinds) != 1:

@@ -48,6 +48,17 @@ class BudgetProjection:
     distinct real floating-point tensors of one dtype on one device that do not
     share memory; each ``cost[i]`` a finite, positive tensor of ``params[i]``'s
     shape, dtype and device; ``density`` a number in [0, 1] or a callable.
+
+    **Distributed.**  Under DDP the scores are plain tensors, the same on every
+    rank (DDP averages their gradients), so each rank projects its copy and the
+    results agree; nothing is communicated.  Under FSDP2 the scores are DTensor
+    shards (build the projection after ``fully_shard``, which replaces the
+    parameters, like the optimizer): every step is the exact sharded
+    projection :func:`prunopt.distributed.project_budget_` over the global
+    scores (a few all-reduces of histograms, no score gathered), ``D`` is the
+    global number of scores and the cost total is summed over the ranks; the
+    costs must then be DTensors laid out as the scores.  All parameters are
+    plain or all are DTensors.
     """
 
     def __init__(self, params: Iterable[Tensor], density: Density, cost: Optional[Sequence[Tensor]] = None):
@@ -66,7 +77,7 @@ class BudgetProjection:
             cost = list(cost)
             _check_cost(cost, self.params)
         self.cost = cost
-        self.total = float(sum(c.double().sum().item() for c in cost)) if cost else float(sum(p.numel() for p in self.params))
+        self.total = _total(self.params, cost)
         if not math.isfinite(self.total):
             raise ValueError(f"the costs sum to {self.total}; cost must have a finite total")
         self.step_count = 0
@@ -93,7 +104,12 @@ class BudgetProjection:
     def step(self) -> float:
         """Projects the parameters in place; returns the budget used."""
         budget = self.budget()
-        project_budget_(self.params, budget, self.cost)
+        if _sharded(self.params):
+            from prunopt.distributed import project_budget_ as project_sharded_
+
+            project_sharded_(self.params, budget, self.cost)
+        else:
+            project_budget_(self.params, budget, self.cost)
         self.step_count += 1
         return budget
 
@@ -137,9 +153,36 @@ class BudgetProjection:
         self.density = density
 
 
+def _sharded(tensors: Sequence[Tensor]) -> bool:
+    from prunopt.distributed import is_distributed_tensor
+
+    return any(is_distributed_tensor(t) for t in tensors)
+
+
+def _total(params: List[Tensor], cost: Optional[List[Tensor]]) -> float:
+    """``D``: the number of scores, or the sum of the costs (over the global
+    tensors when they are sharded)."""
+    if cost is None:
+        return float(sum(p.numel() for p in params))  # a DTensor's numel is its global size
+    if not _sharded(params):
+        return float(sum(c.double().sum().item() for c in cost))
+    from prunopt.distributed import all_reduce_sum, counts_locally, local_tensor, process_group_of
+
+    local = sum(float(local_tensor(c).double().sum()) for c in cost if counts_locally(c))
+    return float(all_reduce_sum([local], group=process_group_of(params))[0])
+
+
 def _check_params(params: List[Tensor]) -> None:
     """``params``: distinct real floating tensors of one dtype on one device
-    (what the projection op needs), each named ``params[i]`` when wrong."""
+    (what the projection op needs), each named ``params[i]`` when wrong; all
+    plain or all DTensors."""
+    if _sharded(params):
+        from prunopt.distributed import is_distributed_tensor
+
+        plain = [i for i, p in enumerate(params) if not is_distributed_tensor(p)]
+        if plain:
+            raise ValueError(f"params{plain} are plain tensors among DTensors: the budget of sharded scores "
+                             "(FSDP2) is global, so every parameter must be a DTensor")
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise TypeError(f"params[{i}] must be a Tensor, got {type(p).__name__}")
@@ -151,7 +194,10 @@ def _check_params(params: List[Tensor]) -> None:
         if p.device != params[0].device:
             raise ValueError(f"params[{i}] is on {p.device} but params[0] is on {params[0].device}: params must be on "
                              "one device")
-    _check_no_overlap(params, "params")  # the in-place op's own check, before any step
+    from prunopt.distributed import local_tensor
+
+    # the in-place op's own check, before any step (on the local shards of DTensors)
+    _check_no_overlap([local_tensor(p) for p in params], "params")
 
 
 def _check_cost(cost: List[Tensor], params: List[Tensor]) -> None:
@@ -167,7 +213,20 @@ def _check_cost(cost: List[Tensor], params: List[Tensor]) -> None:
             raise ValueError(f"cost[{i}] must have the dtype of params[{i}] ({p.dtype}), got {c.dtype}")
         if c.device != p.device:
             raise ValueError(f"cost[{i}] must be on the device of params[{i}] ({p.device}), got {c.device}")
-        if not bool(((c > 0) & torch.isfinite(c)).all()):
+    from prunopt.distributed import is_distributed_tensor, local_tensor
+
+    for i, (c, p) in enumerate(zip(cost, params)):
+        if is_distributed_tensor(c) != is_distributed_tensor(p) or (is_distributed_tensor(c) and (
+                c.device_mesh != p.device_mesh or tuple(c.placements) != tuple(p.placements))):
+            raise ValueError(f"cost[{i}] must be laid out as params[{i}] (a DTensor with its mesh and placements "
+                             f"exactly when params[{i}] is one)")
+    bad = [not bool(((local_tensor(c) > 0) & torch.isfinite(local_tensor(c))).all()) for c in cost]
+    if _sharded(params):  # a bad shard on one rank is an error on every rank
+        from prunopt.distributed import all_reduce_sum, process_group_of
+
+        bad = [b > 0 for b in all_reduce_sum([float(b) for b in bad], group=process_group_of(params)).tolist()]
+    for i, b in enumerate(bad):
+        if b:
             raise ValueError(f"cost[{i}] must be finite and > 0 everywhere")
 
 

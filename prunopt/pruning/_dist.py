@@ -80,15 +80,15 @@ def all_reduce_mean_(tensors: Sequence[Tensor], group) -> None:
             t.copy_(part.view_as(t))
 
 
-def any_rank(flag: bool, group, device=None) -> bool:
-    """``True`` on every rank when ``flag`` is true on any (so an error found
-    on one rank is raised by all, instead of leaving the others waiting in a
-    collective)."""
-    if group is None:
-        return bool(flag)
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+def any_rank_each(flags: Sequence[bool], group) -> List[bool]:
+    """Per flag, ``True`` on every rank when it is true on any (one
+    all-reduce), so an error found on one rank is raised by all instead of
+    leaving the others waiting in a collective."""
+    if group is None or not flags:
+        return [bool(f) for f in flags]
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=_collective_device(group))
     _dist().all_reduce(t, op=_dist().ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def broadcast_generator_(generator: torch.Generator, group) -> None:

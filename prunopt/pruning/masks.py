@@ -490,7 +490,10 @@ class Masker:
         (``to_conv2d`` replaces only its ``FBConv2d`` layers); every layer is
         checked before any is changed.  Tied layers (:attr:`aliases`) are baked
         too and still share their Parameter after (with ``to_conv2d`` each tied
-        FBConv2d becomes its own ``nn.Conv2d``).  Returns the model."""
+        FBConv2d becomes its own ``nn.Conv2d``).  Returns the model.  On a
+        DDP- or FSDP-wrapped model removing a parametrization (or swapping
+        layers) is a ``ValueError``: bake the masks into an unwrapped model
+        (e.g. one loaded from the full state dict)."""
         return _bake_masks(self.model, list(self.tensors.values()) + list(self._alias_tensors.values()), to_conv2d)
 
 
@@ -668,11 +671,17 @@ def _bake_masks(model: nn.Module, pts: List[PrunableTensor], to_conv2d: bool) ->
             if not all(isinstance(p, WeightMask) for p in plist):
                 raise ValueError(f"{pt.name} has parametrizations other than WeightMask; remove them first")
             plan.append(pt)
+    if to_conv2d or any(not pt.interspace for pt in plan):
+        # removing a parametrization re-sets the weight, to_conv2d swaps layers: a wrapper would lose them
+        from prunopt.nn._wrapping import check_not_wrapped
+
+        check_not_wrapped(model, "Baking the masks in (remove_masks, Masker.remove)")
     with torch.no_grad():
         for pt in plan:
             m = pt.module
             if pt.interspace:
-                m.coefficients.mul_(m.mask.to(m.coefficients.dtype))
+                lam = _dist.local(m.coefficients)  # the local shard under FSDP2
+                lam.mul_(_dist.local_part(m.mask, m.coefficients).to(lam.dtype))
             else:
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
         if to_conv2d:

@@ -93,9 +93,10 @@ def _check_scores(scores: Mapping[str, Tensor]) -> bool:
             raise TypeError(f"scores[{n!r}] must be floating point, got {s.dtype}")
     sharded = any(_dist.is_dtensor(s) for s in scores.values())
     group = _dist.shard_group(list(scores.values())) if sharded else None
-    for n, s in scores.items():
-        # a NaN in one rank's shard is an error on every rank (none is left waiting in a collective)
-        if _dist.any_rank(bool(torch.isnan(_dist.local(s)).any()), group):
+    # a NaN in one rank's shard is an error on every rank (none is left waiting in a collective)
+    nan = _dist.any_rank_each([bool(torch.isnan(_dist.local(s)).any()) for s in scores.values()], group)
+    for n, bad in zip(scores, nan):
+        if bad:
             raise ValueError(f"scores[{n!r}] contains NaN")
     return sharded
 
@@ -113,7 +114,8 @@ def global_masks(scores: Mapping[str, Tensor], sparsity: float) -> "OrderedDict[
     keep the ``k = floor((1 - p) d)`` largest scores over all tensors together,
     ``mu_j = 1`` iff ``S_j`` is among them (ties: module docstring).
 
-    Returns boolean masks of the scores' shapes, keyed like ``scores``."""
+    Returns boolean masks of the scores' shapes, keyed like ``scores``
+    (DTensors laid out as the scores for DTensor scores: module docstring)."""
     p = check_sparsity(sparsity)
     if _check_scores(scores):
         k = kept_count(p, sum(s.numel() for s in scores.values()))
