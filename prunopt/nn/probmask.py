@@ -241,9 +241,9 @@ def _topk_mask(scores: List[Tensor], k: int) -> List[Tensor]:
 
 
 def _is_dtensor(t) -> bool:
-    from prunopt.pruning import _dist
+    from prunopt.distributed import is_distributed_tensor
 
-    return _dist.is_dtensor(t)
+    return is_distributed_tensor(t)
 
 
 def _full(mask: Tensor) -> Tensor:

@@ -35,6 +35,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from prunopt.distributed import is_distributed_tensor, local_tensor
+
 __all__ = []  # private
 
 
@@ -123,35 +125,18 @@ def _collective_device(group) -> torch.device:
 
 
 # ---------------------------------------------------------------- DTensors
-def _dtensor_cls():
-    if not _dist().is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return None
-    return DTensor
+is_dtensor = is_distributed_tensor
+local = local_tensor  # a DTensor's local shard (a view: in-place writes reach the DTensor), else the tensor
 
 
-def is_dtensor(t) -> bool:
-    cls = _dtensor_cls()
-    return cls is not None and isinstance(t, cls)
-
-
-def local(t: Tensor) -> Tensor:
-    """The rank's local tensor of a DTensor (a view of its data), else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def like(local_tensor: Tensor, ref: Tensor) -> Tensor:
-    """``local_tensor`` (the local part of a tensor laid out as ``ref``) as a
-    DTensor of ``ref``'s mesh, placements, shape and stride; ``local_tensor``
+def like(part: Tensor, ref: Tensor) -> Tensor:
+    """``part`` (the local part of a tensor laid out as ``ref``) as a
+    DTensor of ``ref``'s mesh, placements, shape and stride; ``part``
     itself when ``ref`` is a plain tensor."""
     if not is_dtensor(ref):
-        return local_tensor
-    cls = _dtensor_cls()
-    return cls.from_local(local_tensor, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride(),
-                          run_check=False)
+        return part
+    return type(ref).from_local(part, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride(),
+                                run_check=False)
 
 
 @dataclass
@@ -160,10 +145,10 @@ class _Layout:
 
     ``runs`` rows of ``run_len`` local entries each (the local tensor viewed as
     ``(runs, run_len)``): row ``r`` is global flat range
-    ``[start + r * run_step, ... + run_len)``.  ``group`` is the shard group
-    (``None``: replicated, every rank holds everything); ``owner`` says
-    whether this rank counts the entries (a replicated tensor under a sharded
-    selection is counted by the group's rank 0 only)."""
+    ``[start + r * run_step, ... + run_len)``; ``offset``/``local_shape``
+    place the local block in the global tensor.  ``group`` is the shard group
+    (``None``: replicated, every rank holds everything; such a tensor in a
+    sharded selection is counted by the group's first rank only)."""
 
     offset: Tuple[int, ...]
     local_shape: Tuple[int, ...]
@@ -274,9 +259,6 @@ def global_count(tensors: Sequence[Tensor], pred) -> int:
 
 
 # -------------------------------------------------------- exact selection
-_SIGN = -(1 << 63)
-
-
 def _keys(v: Tensor) -> Tensor:
     """int64 keys ordered as the float64 values (``-0.0`` and ``0.0`` equal)."""
     bits = (v.double() + 0.0).view(torch.int64)  # + 0.0 turns -0.0 into 0.0
@@ -287,35 +269,27 @@ def _kth_largest_key(keys: List[Tensor], k: int, group) -> int:
     """The ``k``-th largest of the int64 ``keys`` over all ranks of ``group``
     (``1 <= k <= total``): eight rounds over the bytes of the keys, from the
     most significant, each one all-reduce of a 256-bin count histogram
-    (2 KiB) of the keys that share the digits found so far."""
-    device = keys[0].device if keys else torch.device("cpu")
-    if group is not None:
-        device = _collective_device(group)
-    prefix_mask, prefix = 0, 0
+    (2 KiB) of the candidates, which shrink to the keys sharing the bytes
+    found so far."""
+    device = _collective_device(group) if group is not None else torch.device("cpu")
+    cands = [kk for kk in keys if kk.numel()]
+    key = 0
     for shift in range(56, -8, -8):
         hist = torch.zeros(256, dtype=torch.int64, device=device)
-        for kk in keys:
-            sel = kk if prefix_mask == 0 else kk[(kk & prefix_mask) == prefix]
-            if sel.numel():
-                digit = (sel >> shift) & 0xFF
-                if shift == 56:
-                    digit = digit ^ 0x80  # the sign byte: negative keys rank below positive ones
-                hist += torch.bincount(digit, minlength=256).to(device)
+        for c in cands:
+            digit = (c >> shift) & 0xFF
+            if shift == 56:
+                digit = digit ^ 0x80  # the sign byte: negative keys rank below positive ones
+            hist += torch.bincount(digit, minlength=256).to(device)
         if group is not None:
             _dist().all_reduce(hist, group=group)
-        counts = hist.flip(0).cumsum(0)  # entries with a digit >= 255 - i
-        j = int(torch.searchsorted(counts, torch.tensor([k], device=device)).item())
-        digit = 255 - j
-        k -= int(counts[j - 1]) if j > 0 else 0
-        if shift == 56:
-            digit ^= 0x80
-        prefix |= digit << shift
-        prefix_mask |= 0xFF << shift
-        if prefix >= 1 << 63:  # keep it a signed int64 value
-            prefix -= 1 << 64
-        if prefix_mask >= 1 << 63:
-            prefix_mask -= 1 << 64
-    return prefix
+        above = hist.flip(0).cumsum(0)  # above[i]: candidates whose byte is >= 255 - i
+        i = int(torch.searchsorted(above, torch.tensor([k], device=device)).item())
+        k -= int(above[i - 1]) if i > 0 else 0
+        byte = (255 - i) ^ (0x80 if shift == 56 else 0)
+        cands = [c[((c >> shift) & 0xFF) == byte] for c in cands]
+        key |= byte << shift
+    return key - (1 << 64) if key >= 1 << 63 else key  # the two's complement int64 value
 
 
 def top_k_masks(values: Sequence[Tensor], k: int, largest: bool = True) -> List[Tensor]:
