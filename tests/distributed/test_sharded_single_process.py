@@ -1,0 +1,285 @@
+"""prunopt.distributed in one process (no process group; no ranks spawned).
+
+Without torch.distributed initialised the functions are the one-process ops.
+The sharded algorithms themselves also run in one process when their plan
+has no group to sum over (the all_reduce calls are then no-ops): that is how
+these tests check them against the one-process op and the float64 sort
+oracle on many inputs quickly; tests/distributed/test_sharded_*.py check the
+collectives on two ranks.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings, strategies as st
+
+import prunopt.distributed as D
+from prunopt.ops import project_budget as one_projection
+from prunopt.ops import topk_threshold as one_threshold
+from prunopt.reference.projection import project_budget_sort
+
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+pytestmark = pytest.mark.skipif(dist.is_available() and dist.is_initialized(),
+                                reason="needs a process without a default process group")
+
+
+def _one_process_plan(tensors):
+    return D._Plan(list(tensors), [True] * len(tensors), [], 1)
+
+
+@pytest.fixture(params=["compact", "device"])
+def radix_mode(request, monkeypatch):
+    """The CPU path (candidates compacted after each pass) and the path other
+    devices take (every pass masks all elements, nothing read back)."""
+    monkeypatch.setattr(D, "_COMPACT_DEVICES", frozenset({"cpu"}) if request.param == "compact" else frozenset())
+    return request.param
+
+
+# ----------------------------------------------------------------- no process group
+
+def test_without_process_group_the_ops_are_the_one_process_ops():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(100, generator=g), torch.randn(7, 3, generator=g)]
+    for k in (1, 50, 121):
+        assert torch.equal(D.topk_threshold(xs, k), one_threshold(xs, k))
+    t = [torch.rand(300, generator=g, dtype=torch.float64), torch.rand(20, generator=g, dtype=torch.float64)]
+    for a, b in zip(D.project_budget(t, 30.0), one_projection(t, 30.0)):
+        assert torch.equal(a, b)
+    inplace = [x.clone() for x in t]
+    assert D.project_budget_(inplace, 30.0) is inplace
+    for a, b in zip(inplace, one_projection(t, 30.0)):
+        assert torch.equal(a, b)
+    assert D.global_numel(xs) == 121
+    s = D.all_reduce_sum([1.5, torch.tensor(2), torch.tensor([3.0], dtype=torch.float32)])
+    assert s.dtype == torch.float64 and s.tolist() == [1.5, 2.0, 3.0]
+    assert D.all_reduce_sum(torch.ones(2, 2, dtype=torch.float16)).dtype == torch.float64
+    assert D.process_group_of(xs) is None
+    assert D.local_tensor(xs[0]) is xs[0]
+    assert not D.is_distributed_tensor(xs[0]) and not D.is_replicated(xs[0]) and D.counts_locally(xs[0])
+
+
+def test_argument_errors():
+    x = torch.randn(10)
+    with pytest.raises(TypeError, match="k must be an int"):
+        D.topk_threshold(x, 2.0)
+    with pytest.raises(TypeError, match="k must be an int"):
+        D.topk_threshold(x, True)
+    with pytest.raises(TypeError, match="values must be a Tensor"):
+        D.topk_threshold("x", 1)
+    with pytest.raises(ValueError, match="k must be in"):
+        D.topk_threshold(x, 11)
+    with pytest.raises(ValueError, match="real floating"):
+        D.topk_threshold(torch.ones(3, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="at least one tensor"):
+        D.topk_threshold([], 1)
+    with pytest.raises(TypeError, match="group must be"):
+        D.topk_threshold(x, 1, group="world")
+    with pytest.raises(ValueError, match="budget"):
+        D.project_budget(x, -1.0)
+    with pytest.raises(ValueError, match=r"cost\[0\]"):
+        D.project_budget(x, 1.0, torch.ones(11))
+    with pytest.raises(TypeError, match="values"):
+        D.all_reduce_sum(["a"])
+    with pytest.raises(ValueError, match="one-element"):
+        D.all_reduce_sum([torch.ones(2)])
+    with pytest.raises(TypeError):
+        D.all_reduce_sum(3.0)
+    with pytest.raises(TypeError):
+        D.local_tensor([1.0])
+    y = torch.rand(5)
+    with pytest.raises(ValueError, match="share memory"):
+        D.project_budget_([y, y], 1.0)
+
+
+# ----------------------------------------------------------------- the radix select
+
+@st.composite
+def threshold_case(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    sizes = draw(st.lists(st.sampled_from([0, 1, 2, 5, 100, 4097]), min_size=1, max_size=4))
+    kind = draw(st.sampled_from(["randn", "ties", "zeros", "tiny", "huge", "one_value"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    kpos = draw(st.floats(0.0, 1.0))
+    return dtype, sizes, kind, seed, kpos
+
+
+def _threshold_data(dtype, sizes, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in sizes:
+        v = torch.randn(s, generator=g, dtype=torch.float64)
+        if kind == "ties":
+            v = v.mul(2).round()
+        elif kind == "zeros":
+            v = torch.where(v > 0, 0.0, -0.0).to(torch.float64)
+        elif kind == "tiny":
+            v = v * torch.finfo(dtype).tiny * 4  # subnormals and the smallest normals
+        elif kind == "huge":
+            v = v * torch.finfo(dtype).max / 8
+        elif kind == "one_value":
+            v = torch.where(v > 0, 1.5, -1.5).to(torch.float64)
+        out.append(v.to(dtype))
+    return out
+
+
+@settings(max_examples=60)
+@given(threshold_case())
+@example((torch.float32, [4097, 0, 5], "ties", 0, 1.0))
+@example((torch.float64, [100, 1], "tiny", 1, 0.0))
+@example((torch.bfloat16, [4097], "huge", 2, 0.5))
+def test_radix_select_bit_identical(case):
+    dtype, sizes, kind, seed, kpos = case
+    vals = _threshold_data(dtype, sizes, kind, seed)
+    n = sum(sizes)
+    if n == 0:
+        return
+    k = min(n, 1 + int(kpos * n))
+    want = one_threshold(vals, k)
+    for compact in (frozenset({"cpu"}), frozenset()):
+        saved, D._COMPACT_DEVICES = D._COMPACT_DEVICES, compact
+        try:
+            got = D._radix_select(vals, _one_process_plan(vals), k)
+        finally:
+            D._COMPACT_DEVICES = saved
+        assert got.dtype == dtype and got.shape == ()
+        assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
+
+
+def test_radix_select_every_k_with_ties(radix_mode):
+    g = torch.Generator().manual_seed(3)
+    vals = [torch.randint(-4, 5, (40,), generator=g).float(), torch.tensor([0.0, -0.0, 4.0, -4.0])]
+    for k in range(1, 45):
+        got = D._radix_select(vals, _one_process_plan(vals), k)
+        assert got.view(torch.int32).item() == one_threshold(vals, k).view(torch.int32).item()
+
+
+def test_radix_select_non_contiguous_and_large(radix_mode):
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(600, 700, generator=g)  # > one radix chunk
+    vals = [big.t(), torch.randn(10, generator=g)[::3]]
+    for k in (1, 1000, 210_000, 420_004):
+        got = D._radix_select(vals, _one_process_plan(vals), k)
+        assert got.view(torch.int32).item() == one_threshold([v.contiguous() for v in vals], k).view(torch.int32).item()
+
+
+def test_radix_select_non_finite(radix_mode):
+    for bad in (math.nan, math.inf, -math.inf):
+        x = torch.randn(20)
+        x[3] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            D._radix_select([x], _one_process_plan([x]), 2)
+
+
+# ----------------------------------------------------------------- the bracketing projection
+
+def _project(thetas, budget, costs=None):
+    blocks = []
+    for i, t in enumerate(thetas):
+        blocks += D._chunks(t, costs[i] if costs is not None else None)
+    lam = D._solve_lambda(blocks, costs is not None, budget, _one_process_plan(thetas), torch.device("cpu"))
+    outs = []
+    for i, t in enumerate(thetas):
+        out = torch.empty_like(t)
+        D._write_projection(t, costs[i] if costs is not None else None, lam, out)
+        outs.append(out)
+    return outs
+
+
+def _assert_exact(thetas, budget, costs=None, scale=1.0):
+    got = _project(thetas, budget, costs)
+    exact = project_budget_sort([t.double() for t in thetas], budget,
+                                [c.double() for c in costs] if costs is not None else None)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}[thetas[0].dtype] * scale
+    for g, e in zip(got, exact):
+        if g.numel():
+            assert (g.double() - e).abs().max().item() <= tol, (budget, (g.double() - e).abs().max().item())
+
+
+@st.composite
+def projection_case(draw):
+    n = draw(st.sampled_from([1, 7, 4097, 30_000]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    pattern = draw(st.sampled_from(["uniform", "ties", "two_point", "blocks", "tiny_free", "wide"]))
+    density = draw(st.sampled_from([0.0, 1e-4, 0.01, 0.1, 0.3, 0.5, 0.9, 0.99, 1.5]))
+    cost = draw(st.sampled_from([None, "near_one", "orders"]))
+    return n, dtype, seed, pattern, density, cost
+
+
+@settings(max_examples=40)
+@given(projection_case())
+@example((30_000, torch.float64, 0, "ties", 0.3, None))
+@example((30_000, torch.float64, 1, "uniform", 0.1, "orders"))
+@example((4097, torch.float32, 2, "tiny_free", 0.3, "near_one"))
+def test_bracketing_projection_exact(case):
+    n, dtype, seed, pattern, density, cost = case
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(n, generator=g, dtype=torch.float64) * 1.2
+    if pattern == "ties":  # a few distinct values, many equal breakpoints
+        t = (t * 3).round() / 3
+    elif pattern == "two_point":
+        t = torch.where(t > 0.6, 1.0, 0.25).to(torch.float64)
+    elif pattern == "blocks":
+        t = t.sort().values
+    elif pattern == "tiny_free":  # lam* where almost no element is free
+        t = torch.where(t > 0.6, 5.0, -5.0).to(torch.float64)
+        t[n // 2] = 0.123
+    elif pattern == "wide":
+        t = (t - 0.6) * 20
+    c = None
+    if cost == "near_one":
+        c = torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.05
+    elif cost == "orders":  # costs over eight orders of magnitude
+        c = 10 ** ((torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 8)
+    total = n if c is None else float(c.sum())
+    scale = max(1.0, float(t.abs().max()))
+    _assert_exact([t.to(dtype)], density * total, None if c is None else [c.to(dtype)], scale=scale)
+
+
+def test_bracketing_projection_ties_and_tie_root():
+    n = 1 << 16
+    t = torch.full((n,), 0.7, dtype=torch.float64)
+    for S in (0.0, 1.0, 0.3 * n, 0.7 * n, float(n)):
+        _assert_exact([t], S)
+    t[1::2] = 0.3
+    _assert_exact([t], 0.2 * n)  # lambda* = 0.3 exactly, the breakpoint of half the elements
+
+
+def test_bracketing_projection_lists_and_half_precision():
+    g = torch.Generator().manual_seed(9)
+    ts = [torch.rand(1000, generator=g, dtype=torch.float64) * 1.2, torch.rand(0, dtype=torch.float64),
+          torch.rand(5, 7, generator=g, dtype=torch.float64)]
+    for S in (0.0, 10.0, 500.0, 2000.0):
+        _assert_exact(ts, S)
+    for dtype, tol in ((torch.float16, 1e-3), (torch.bfloat16, 1e-2)):
+        t = (torch.rand(3000, generator=g) * 1.2).to(dtype)
+        got = _project([t], 300.0)[0]
+        want = one_projection(t, 300.0)
+        assert got.dtype == dtype and (got.double() - want.double()).abs().max().item() <= tol
+
+
+def test_buckets_index_counts_edges_below():
+    """A key's bucket is integer arithmetic on its bits: the number of edges
+    strictly below it, also for keys exactly on an edge, negative keys, -0.0 and inf."""
+    g = torch.Generator().manual_seed(10)
+    for lo, hi in ((0.0, math.inf), (0.5, 1.0), (0.3, 0.30000000000000004 * 3), (1e-300, 2e-300),
+                   (0.25, 0.25 + 2 ** -40)):
+        b = D._Buckets(lo, hi)
+        edges = torch.tensor(b.edges, dtype=torch.float64)
+        assert b.nb <= D._PROJ_BUCKETS and torch.all(edges[1:] > edges[:-1])
+        keys = torch.cat([edges, edges.nextafter(torch.tensor(math.inf, dtype=torch.float64)),
+                          edges.nextafter(torch.tensor(-math.inf, dtype=torch.float64)),
+                          lo + (hi - lo if math.isfinite(hi) else 1e300) * torch.rand(1000, generator=g,
+                                                                                       dtype=torch.float64),
+                          torch.tensor([-1.0, -0.0, 0.0, 5e-324, math.inf], dtype=torch.float64)])
+        keys = keys[~torch.isnan(keys)]
+        want = torch.searchsorted(edges, keys, side="left")  # edges strictly below
+        got = b.index(keys)
+        if not math.isfinite(hi):  # nothing lies above inf: a key at inf is in the last bucket
+            want = want.clamp(max=b.nb)
+        assert torch.equal(got, want), (lo, hi)
