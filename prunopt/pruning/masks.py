@@ -253,6 +253,10 @@ class Masker:
         process_group=None,
     ):
         self.model = model
+        if process_group is not None and not (torch.distributed.is_available()
+                                              and isinstance(process_group, torch.distributed.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(process_group).__name__}")
         #: the group the methods average over under DDP (``None``: the default group)
         self.process_group = process_group
         found = prunable_tensors(model, include, exclude)

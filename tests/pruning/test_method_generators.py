@@ -106,3 +106,9 @@ def test_generator_state_checks_change_nothing():
         DynamicSparseTraining(Masker(TinyNet()), 0.6, total_steps=10, generator=0)
     with pytest.raises(TypeError, match="generator"):
         PruningAtInit(Masker(TinyNet()), "random", 0.6, generator="seed")
+
+
+def test_masker_process_group_is_checked_and_resolves_to_none_in_one_process():
+    with pytest.raises(TypeError, match="process_group"):
+        Masker(TinyNet(), process_group="world")
+    assert Masker(TinyNet()).group() is None  # no process group: nothing to average over
