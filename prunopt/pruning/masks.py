@@ -66,14 +66,15 @@ class WeightMask(nn.Module):
     weight's shape and dtype (paper Sec. 4.4: ``h * mu_bar`` for SP).
 
     The product masks the gradient, ``dL/dw = mu * dL/d(w * mu)``, so pruned
-    entries receive a zero gradient."""
+    entries receive a zero gradient.  The product has the weight's dtype
+    (FSDP2's mixed precision casts the weight, not the buffer)."""
 
     def __init__(self, mask: Tensor):
         super().__init__()
         self.register_buffer("mask", mask)
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * self.mask
+        return x * self.mask.to(x.dtype)
 
 
 @dataclass

@@ -1,7 +1,11 @@
-"""The generators of the random choices of DynamicSparseTraining (SET/RigL) and
-PruningAtInit("random"), in one process: a resumed SET run draws what an
-uninterrupted one does (the state dict carries the generator), runs are
-reproducible from torch.manual_seed, bad states change nothing."""
+"""The one-process side of the distributed support of the pruning methods.
+
+The generators of the random choices of DynamicSparseTraining (SET/RigL) and
+PruningAtInit("random"): a resumed SET run draws what an uninterrupted one
+does (the state dict carries the generator), runs are reproducible from
+torch.manual_seed, bad states change nothing. The Masker's process_group
+argument, and the dtype of the masked weight under mixed precision.
+"""
 import io
 
 import pytest
@@ -112,3 +116,14 @@ def test_masker_process_group_is_checked_and_resolves_to_none_in_one_process():
     with pytest.raises(TypeError, match="process_group"):
         Masker(TinyNet(), process_group="world")
     assert Masker(TinyNet()).group() is None  # no process group: nothing to average over
+
+
+def test_weight_mask_computes_in_the_weight_dtype():
+    """FSDP2's mixed precision hands the parametrization a bfloat16 weight while
+    the mask buffer stays float32: the masked weight keeps the weight's dtype."""
+    from prunopt.pruning import WeightMask
+
+    wm = WeightMask(torch.tensor([1.0, 0.0, 1.0]))
+    w = torch.tensor([2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    out = wm(w)
+    assert out.dtype == torch.bfloat16 and out.tolist() == [2.0, 0.0, 4.0]
