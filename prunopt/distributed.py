@@ -952,7 +952,7 @@ def project_budget(theta: TensorOrList, budget, cost: Optional[TensorOrList] = N
     boundaries of :math:`\lambda` (the first pass buckets by binade); once a
     bracket holds no breakpoint, :math:`\phi` is linear on it and
     :math:`\lambda^* = (\sum_U c + \sum_F c\theta - S) / \sum_F c^2` is one
-    division. Each pass is one ``all_reduce`` of at most ``5 * 2050 + 20``
+    division. Each pass is one ``all_reduce`` of at most ``5 * 2050 + 21``
     float64 (82 KB); a slack budget (:math:`\phi(0) \le 0`, clamp only) or
     ``S = 0`` takes one pass, other budgets typically 4-6 on scores of order
     one. Each pass's summary is read on the host (one synchronisation per pass

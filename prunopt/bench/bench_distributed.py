@@ -1,0 +1,258 @@
+"""Sharded global selection and projection (:mod:`prunopt.distributed`) on two
+ranks of this machine, against the ways a global top-k or projection is
+usually computed over sharded scores, and against the one-process op on the
+same number of elements.
+
+float32, ``N`` elements in all, split evenly over 2 gloo ranks spawned here
+(``127.0.0.1``), ``threads // 2`` threads per rank (at least 1). Per ``N``:
+
+* ``sharded``: ``prunopt.distributed.topk_threshold(shard, k = N/10)`` and
+  ``project_budget(shard, S = 0.1 N)`` (scores uniform in [0, 1.2));
+* ``all_gather``: ``all_gather_into_tensor`` of the shards, then
+  ``torch.kthvalue`` of ``|v|`` (a global top-k that gathers the values, as a
+  global magnitude sparsifier does) or the one-process projection of the
+  gathered scores;
+* ``dense all_reduce``: every rank writes its shard into an ``N``-sized zero
+  tensor and all_reduces it (global scores kept dense on every rank, as in
+  RigL-style code), then the one-process op;
+* ``one-process``: ``prunopt.ops.topk_threshold`` / ``project_budget`` on
+  all ``N`` elements in this process with ``threads`` threads, after the
+  ranks have exited.
+
+Every contender is verified before it is timed (the sharded threshold
+bit-identical to ``torch.kthvalue`` on the gathered values, the sharded
+projection within 1e-5 of the one-process projection). The ranks time each
+collective contender in lockstep (``torch.utils.benchmark.Timer.timeit``: two
+warm-up calls, then the mean of ``reps`` calls; the slower rank's figure is
+reported, the collectives keep the ranks in step). Bytes are counted by
+wrapping ``torch.distributed.all_reduce`` and ``all_gather_into_tensor``: the
+payload one rank hands to the collectives per call. The model rows give the
+bytes one rank sends per call with ``W`` ranks on a ring (all_reduce
+``2 (W-1)/W`` times the payload, all_gather ``(W-1)/W`` times the gathered size).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils import benchmark
+
+from prunopt.bench.common import environment, median_time, write_results
+
+WORLD = 2
+MODEL_RANKS = (8, 64, 512)
+_SIZES = {True: [1_000_000, 10_000_000], False: [10_000_000, 100_000_000]}
+
+
+def _shard(n: int, rank: int, world: int, kind: str) -> torch.Tensor:
+    """Rank ``rank``'s shard of the benchmark's data (the parent rebuilds the
+    whole from the same seeds)."""
+    g = torch.Generator().manual_seed(1000 * n + 10 * rank + (0 if kind == "grad" else 1))
+    m = n // world
+    return torch.randn(m, generator=g) if kind == "grad" else torch.rand(m, generator=g) * 1.2
+
+
+class _Counter:
+    """Counts the collectives prunopt.distributed and the baselines call, and
+    their payload, by wrapping the torch.distributed functions."""
+
+    def __init__(self):
+        self.calls, self.bytes = 0, 0
+        self._orig = {}
+
+    def __enter__(self):
+        for name in ("all_reduce", "all_gather_into_tensor"):
+            orig = getattr(dist, name)
+            self._orig[name] = orig
+
+            def wrapped(tensor, *args, _orig=orig, _name=name, **kwargs):
+                self.calls += 1
+                self.bytes += tensor.numel() * tensor.element_size() if _name == "all_reduce" else \
+                    args[0].numel() * args[0].element_size()  # all_gather: the shard handed over
+                return _orig(tensor, *args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+
+
+def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    import prunopt.distributed as D
+    from prunopt.ops import project_budget
+
+    try:
+        grad, score = _shard(n, rank, world, "grad"), _shard(n, rank, world, "score")
+        k, budget = n // 10, 0.1 * n
+        m = grad.numel()
+
+        def gathered(x):
+            full = torch.empty(m * world, dtype=x.dtype)
+            dist.all_gather_into_tensor(full, x)
+            return full
+
+        def dense(x):
+            full = torch.zeros(m * world, dtype=x.dtype)
+            full[rank * m:(rank + 1) * m] = x
+            dist.all_reduce(full)
+            return full
+
+        contenders = {
+            ("threshold", "sharded"): lambda: D.topk_threshold(grad, k),
+            ("threshold", "all_gather + kthvalue"):
+                lambda: torch.kthvalue(gathered(grad).abs_(), m * world - k + 1).values,
+            ("threshold", "dense all_reduce + topk_threshold"): lambda: D._topk_threshold_one(dense(grad), k),
+            ("projection", "sharded"): lambda: D.project_budget(score, budget),
+            ("projection", "all_gather + project_budget"):
+                lambda: project_budget(gathered(score), budget)[rank * m:(rank + 1) * m],
+            ("projection", "dense all_reduce + project_budget"):
+                lambda: project_budget(dense(score), budget)[rank * m:(rank + 1) * m],
+        }
+        # verify before timing
+        results: Dict[tuple, dict] = {}
+        outs = {}
+        for key, fn in contenders.items():
+            with _Counter() as cnt:
+                outs[key] = fn()
+            results[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
+        thr = outs[("threshold", "sharded")]
+        for key in (("threshold", "all_gather + kthvalue"), ("threshold", "dense all_reduce + topk_threshold")):
+            if not torch.equal(thr.view(torch.int32), outs[key].view(torch.int32)):
+                raise AssertionError(f"sharded threshold {thr} differs from {key[1]} {outs[key]}")
+        proj = outs[("projection", "sharded")]
+        for key in (("projection", "all_gather + project_budget"), ("projection", "dense all_reduce + project_budget")):
+            err = (proj.double() - outs[key].double()).abs().max().item()
+            if err > 1e-5:
+                raise AssertionError(f"sharded projection differs from {key[1]} by {err}")
+        results["threshold_value"] = thr.item()
+        results["projection_sum"] = float(proj.double().sum())
+        del outs, proj
+        for key, fn in contenders.items():
+            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+            results[key]["seconds"] = timer.timeit(reps).mean
+    finally:
+        torch.save(results if "results" in locals() else {}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(n: int, threads: int, reps: int, timeout: float = 540.0) -> List[dict]:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, WORLD, port, n, threads, reps, out_dir), daemon=True)
+                 for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+                raise TimeoutError(f"the benchmark ranks ran over {timeout} s (n={n})")
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"a benchmark rank failed (n={n}): exit codes {[p.exitcode for p in procs]}")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+# the collective each contender's bytes go through
+_MODEL_KINDS = {
+    ("threshold", "sharded"): "all_reduce",
+    ("threshold", "all_gather + kthvalue"): "all_gather",
+    ("threshold", "dense all_reduce + topk_threshold"): "all_reduce",
+    ("projection", "sharded"): "all_reduce",
+    ("projection", "all_gather + project_budget"): "all_gather",
+    ("projection", "dense all_reduce + project_budget"): "all_reduce",
+}
+
+
+def _ring_bytes(kind: str, payload: float, ranks: int) -> float:
+    """Bytes one rank sends per call on a ring of ``ranks`` ranks."""
+    factor = 2.0 * (ranks - 1) / ranks if kind == "all_reduce" else (ranks - 1) / ranks
+    return factor * payload
+
+
+def run(quick: bool = False, threads: int = 2, out=None) -> str:
+    from prunopt.ops import project_budget, topk_threshold
+
+    torch.set_num_threads(threads)
+    sizes = _SIZES[bool(quick)]
+    per_rank = max(1, threads // WORLD)
+    rows = []
+    for n in sizes:
+        reps = 3 if (quick or n > 10_000_000) else 5
+        ranks = _run_ranks(n, per_rank, reps)
+        grad = torch.cat([_shard(n, r, WORLD, "grad") for r in range(WORLD)])
+        score = torch.cat([_shard(n, r, WORLD, "score") for r in range(WORLD)])
+        k, budget = n // 10, 0.1 * n
+        thr = topk_threshold(grad, k)
+        if thr.item() != ranks[0]["threshold_value"]:
+            raise AssertionError("the one-process threshold differs from the sharded one")
+        proj_sum = float(project_budget(score, budget).double().sum())
+        if abs(proj_sum - sum(r["projection_sum"] for r in ranks)) > 1e-6 * n:
+            raise AssertionError("the one-process projection differs from the sharded one")
+        min_t = 0.3 if quick else 1.0
+        fns = {"threshold": lambda: topk_threshold(grad, k), "projection": lambda: project_budget(score, budget)}
+        one = {op: median_time(fn, min_t, threads) for op, fn in fns.items()}
+        # one thread too: on a loaded host, threads that wait for each other inflate the parallel figure
+        one1 = {op: median_time(fn, min_t, 1) for op, fn in fns.items()} if threads > 1 else one
+        for op in ("threshold", "projection"):
+            rows.append({"n": n, "op": op, "contender": f"one-process ({threads} threads)", "ranks": 1,
+                         "time_ms": 1e3 * one[op], "vs_one_process": 1.0, "collectives_per_call": 0,
+                         "payload_bytes_per_rank": 0})
+            if threads > 1:
+                rows.append({"n": n, "op": op, "contender": "one-process (1 thread)", "ranks": 1,
+                             "time_ms": 1e3 * one1[op], "vs_one_process": one1[op] / one[op],
+                             "collectives_per_call": 0, "payload_bytes_per_rank": 0})
+            for (o, name), r0 in ((key, v) for key, v in ranks[0].items() if isinstance(key, tuple)):
+                if o != op:
+                    continue
+                secs = max(rk[(o, name)]["seconds"] for rk in ranks)
+                rows.append({"n": n, "op": op, "contender": f"{name} ({WORLD} ranks x {per_rank} thread)",
+                             "ranks": WORLD, "time_ms": 1e3 * secs, "vs_one_process": secs / one[op],
+                             "vs_one_process_1_thread": secs / one1[op], "collectives_per_call": r0["calls"],
+                             "payload_bytes_per_rank": r0["bytes"]})
+        for (op, name), kind in _MODEL_KINDS.items():
+            r0 = ranks[0][(op, name)]
+            # the baselines move all N values (the gathered tensor, the dense scores) whatever the ranks
+            payload = r0["bytes"] * WORLD if kind == "all_gather" else r0["bytes"]
+            for w in MODEL_RANKS:
+                rows.append({"n": n, "op": op, "contender": f"model: {name}", "ranks": w, "time_ms": "",
+                             "vs_one_process": "", "collectives_per_call": r0["calls"],
+                             "payload_bytes_per_rank": _ring_bytes(kind, payload, w)})
+    notes = (f"float32; N elements in all, 2 gloo ranks spawned on this machine (127.0.0.1), {per_rank} thread(s) "
+             f"each; one-process contenders with {threads} threads after the ranks exit. threshold: k = N/10 of "
+             "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's mean of "
+             "reps calls after two warm-up calls (torch.utils.benchmark Timer.timeit, lockstep); "
+             "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
+             "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
+             "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
+             "payload does not depend on N or W. Targets: sharded bytes per rank per call independent of N "
+             "(<= 1 MB); the 2-rank sharded threshold <= 1.5x the one-process time on the same N. "
+             "vs_one_process_1_thread: against the one-process op on one thread (a loaded host inflates the "
+             "multi-threaded figure). "
+             "Rerun: `python -m prunopt.bench.run --only distributed [--quick]`.")
+    columns = ["n", "op", "contender", "ranks", "time_ms", "vs_one_process", "vs_one_process_1_thread",
+               "collectives_per_call", "payload_bytes_per_rank"]
+    return write_results("distributed", rows, environment(threads), notes, out, columns)
