@@ -6,8 +6,9 @@ breaks the wrapper: ``register_parametrization`` re-sets the weight tensor
 (``Tensor.set_``), which gives it a new gradient accumulator, so DDP's
 gradient hooks, registered on the old one, never fire (PyTorch then reports
 "Expected to have finished reduction in the prior iteration"); swapped layers
-hold Parameters the wrapper does not know; FSDP2 writes its unsharded
-Parameters back by attribute name, which a parametrization intercepts.
+hold Parameters the wrapper does not know; FSDP2 tracks each parameter by its
+module and attribute name, which a parametrization moves (and after
+``fully_shard`` the layers are no longer of their original type).
 """
 from __future__ import annotations
 

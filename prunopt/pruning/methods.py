@@ -189,6 +189,11 @@ class PruningAtInit(PruningMethod):
     on CIFAR-10; a single ``(inputs, targets)`` pair is one batch); SynFlow
     needs ``example_input``, or takes the inputs of the first batch.
 
+    Random scores are drawn from ``generator`` or, when ``None``, from a CPU
+    generator seeded with one draw from torch's global generator; under a
+    process group its state is set to the first rank's at construction, so
+    every rank draws the same scores (``docs/distributed.md``).
+
     Example::
 
         pai = PruningAtInit(Masker(model, opt), "snip", sparsity=0.9)
@@ -206,9 +211,30 @@ class PruningAtInit(PruningMethod):
         self.score = score
         self.sparsity = check_sparsity(sparsity)
         self.synflow_rounds = _check_int(synflow_rounds, "synflow_rounds", 1)
-        # random scores: one generator in the same state on every rank (broadcast from the first)
+        # random scores: one generator in the same state on every rank (broadcast from the first rank at
+        # construction; ``generator=None``: a new one seeded from torch's global generator)
         self.generator = _shared_generator(generator, masker.group()) if score == "random" else generator
         self.loss_fn = loss_fn
+
+    def state_dict(self) -> Dict[str, object]:
+        """``last_step`` and, for random scores, ``generator`` (the state of
+        the generator the scores are drawn from)."""
+        state = super().state_dict()
+        if self.score == "random":
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore :meth:`state_dict` (a missing ``generator`` keeps the
+        current state); checked before anything changes."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        gen = state.get("generator") if self.score == "random" else None
+        if gen is not None:
+            _check_generator_state(gen, self.generator)
+        super().load_state_dict(state)
+        if gen is not None:
+            self.generator.set_state(gen.clone())
 
     def prune(self, batches=None, example_input=None) -> None:
         """Compute the scores and set the masks (one shot; SynFlow iterative).

@@ -127,3 +127,17 @@ def test_weight_mask_computes_in_the_weight_dtype():
     w = torch.tensor([2.0, 3.0, 4.0], dtype=torch.bfloat16)
     out = wm(w)
     assert out.dtype == torch.bfloat16 and out.tolist() == [2.0, 0.0, 4.0]
+
+
+def test_random_pai_state_dict_carries_its_generator():
+    torch.manual_seed(0)
+    a = PruningAtInit(Masker(TinyNet()), "random", 0.6)
+    state = a.state_dict()
+    a.prune()
+    torch.manual_seed(1)  # another global seed: another generator, until the state is loaded
+    masker = Masker(TinyNet())
+    b = PruningAtInit(masker, "random", 0.6)
+    b.load_state_dict(state)
+    b.prune()
+    assert all(torch.equal(m, a.masker.masks()[n]) for n, m in masker.masks().items())
+    assert "generator" not in PruningAtInit(Masker(TinyNet()), "magnitude", 0.6).state_dict()
