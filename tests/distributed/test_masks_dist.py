@@ -354,6 +354,42 @@ def test_masker_step_masks_shards_and_their_state(results):
         assert float(o["density"]) == float(ref["density"])
 
 
+def _interspace_fsdp(rank):
+    """FB coefficients (interspace pruning) under FSDP2: magnitude pruning and
+    SET updates of the sharded coefficients, the layer's own mask buffer."""
+    torch.manual_seed(100 if rank is None else 100 + rank)
+    model = to_interspace(_cnn())
+    masker = Masker(model)
+    if rank is not None:
+        _fsdp(model)
+    magnitude_prune(masker, 0.6)
+    first = _masks(masker)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    masker.attach(opt)
+    dst = DynamicSparseTraining(masker, 0.7, total_steps=50, mode="set", update_interval=1)
+    x, y = _shard(_batch(0, image=True), rank)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    dst.step()
+    from prunopt.distributed import is_distributed_tensor
+
+    sharded = all(is_distributed_tensor(pt.parameter) for pt in masker.tensors.values())
+    return {"magnitude": first, "set": _masks(masker), "sharded": {"all": torch.tensor(sharded)}}
+
+
+_scenario("interspace_fsdp", _interspace_fsdp)
+
+
+def test_interspace_coefficients_under_fsdp(results):
+    ref = _interspace_fsdp(None)
+    got = ok(results["interspace_fsdp"])
+    assert all(bool(o["sharded"]["all"]) for o in got)  # coefficients and weights are DTensor shards
+    for key in ("magnitude", "set"):
+        _assert_same([o[key] for o in got], ref[key], key)
+    assert any(n.endswith("coefficients") for n in ref["set"])
+
+
 # ------------------------------------------------------------------ ProbMask with a budget
 def _probmask(rank, kind):
     """ProbMask scores trained in the budget (BudgetProjection after every
