@@ -20,12 +20,12 @@ PyObject* PyInit__C(void) {
 #endif  // PRUNOPT_NO_PYTHON
 
 TORCH_LIBRARY(prunopt, m) {
-  // Budget projection (SPEC.md section 1). `theta` is a list so that several
+  // Budget projection (ProM supplement A.2). `theta` is a list so that several
   // tensors share one budget without being concatenated.
   m.def("project_budget(Tensor[] theta, Tensor[]? cost, float budget) -> Tensor[]");
   m.def("project_budget_(Tensor(a!)[] theta, Tensor[]? cost, float budget) -> ()");
 
-  // Interspace pruning: filter-basis convolution (SPEC.md section 3, issue 4).
+  // Interspace pruning: filter-basis convolution (Wimmer et al.).
   // Kernels: csrc/cpu/fb_reconstruct.cpp, csrc/cpu/fb_conv2d.cpp,
   // csrc/cuda/fb_conv2d.cu; fake kernels and autograd in prunopt/ops/ (fb_reconstruct's
   // autograd: csrc/autograd/fb_reconstruct.cpp).
@@ -43,7 +43,7 @@ TORCH_LIBRARY(prunopt, m) {
   m.def("fb_conv2d_csr(Tensor input, Tensor crow_indices, Tensor col_indices, Tensor values, Tensor basis, "
         "Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, int groups) -> Tensor");
 
-  // prunAdag (SPEC.md section 2). The k-th largest |v| over a tensor list (exact
+  // prunAdag (Porcelli et al.). The k-th largest |v| over a tensor list (exact
   // radix select, = torch.kthvalue at rank n - k + 1 on the concatenation), and
   // one fused step over one selection scope. `hyper` is float64 (ntensors, 6):
   // [lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune] per tensor; `version`
@@ -56,8 +56,8 @@ TORCH_LIBRARY(prunopt, m) {
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
       "Tensor hyper, int relevant, int version, Tensor(d!)? found_nonfinite=None) -> ()");
 
-  // Differentiable sparsification (SPEC.md section 4) and two-temperature
-  // architecture pruning (SPEC.md section 5). Kernels: csrc/cpu/{rgf_relu,
+  // Differentiable sparsification (Lee) and two-temperature
+  // architecture pruning (Colombo & Gao). Kernels: csrc/cpu/{rgf_relu,
   // sparse_gate,two_temperature_sigmoid}.cpp and csrc/cuda/*.cu of the same names.
   // relu forward, elu(alpha) derivative backward (DS eq. 15).
   m.def("rgf_relu(Tensor x, float alpha) -> Tensor");

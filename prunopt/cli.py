@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         if entry.add_arguments is not None:
             entry.add_arguments(r)
 
-    # --- compare (issue 5): SP vs IP for one pruning-toolkit method ---
+    # --- compare: SP vs IP for one pruning-toolkit method ---
     c = sub.add_parser("compare", help="SP vs IP for one pruning method over a few sparsities (markdown table + PNG)")
     c.add_argument("--method", required=True, choices=["pai-random", "snip", "grasp", "synflow", "lt", "set", "rigl", "gmp", "ft"])
     c.add_argument("--sparsities", type=fractions_arg("--sparsities"), default="0.5,0.8,0.9,0.95",

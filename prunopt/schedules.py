@@ -71,7 +71,7 @@ def _state_values(state, keys, defaults, owner: str) -> list:
 
 
 class DensitySchedule:
-    r"""Annealed density of the ProM supplement (A.1; SPEC.md §1).
+    r"""Annealed density of the ProM supplement (A.1).
 
     .. math::
         d(i) = \begin{cases}
@@ -161,7 +161,7 @@ class DensitySchedule:
 class TemperatureSchedule:
     r"""Exponential annealing of a relaxation temperature:
     :math:`\tau(i) = \tau_0 (\tau_1/\tau_0)^{\min(i, n)/n}` (used for the
-    Gumbel-sigmoid masks of ProbMask/ProM, SPEC.md §1)."""
+    Gumbel-sigmoid masks of ProbMask/ProM, ProM supplement A.2)."""
 
     def __init__(self, start: float, end: float, steps: int):
         values = []

@@ -38,7 +38,7 @@ _TOL = {
 
 def tolerance(dtype: torch.dtype) -> dict:
     """Absolute tolerance of a kernel in ``dtype`` against a float64 reference
-    (SPEC.md section 1: 1e-12 in float64, 1e-5 in float32, relative to 1)."""
+    (the projection's accuracy bound: 1e-12 in float64, 1e-5 in float32, relative to 1)."""
     return dict(_TOL[dtype])
 
 

@@ -1,4 +1,4 @@
-// Filter-basis 2D convolution on the CPU (SPEC.md section 3; interspace
+// Filter-basis 2D convolution on the CPU (Wimmer et al.; interspace
 // pruning eq. 6, 8 and Alg. 1).
 //
 // Sparse path, for masked coefficients in CSR form (row o, column i*N + n):

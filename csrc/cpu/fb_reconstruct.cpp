@@ -1,5 +1,5 @@
 // Fused reconstruction of the masked spatial filters of a filter-basis
-// convolution and its backward on the CPU (SPEC.md section 3, interspace
+// convolution and its backward on the CPU (Wimmer et al., interspace
 // pruning eq. 4, 7, A.13, A.14). With rows m = (o, i), taps k = (y, x):
 //
 //   forward    h[m, k]     = sum_n lam[m, n] mu[m, n] g[n, k]            (eq. 4)

@@ -1,4 +1,4 @@
-// Exact budget projection on the CPU (SPEC.md section 1).
+// Exact budget projection on the CPU (ProM supplement A.2).
 //
 // solve_lambda (the fast solver, below) brackets the multiplier lam* from a
 // sample, sorts every element into L / U / F / "breakpoint inside the bracket"

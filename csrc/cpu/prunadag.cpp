@@ -1,4 +1,4 @@
-// prunAdag on the CPU (SPEC.md section 2): the exact global top-T threshold and
+// prunAdag on the CPU (Porcelli et al.): the exact global top-T threshold and
 // the fused step over one selection scope.
 //
 // Memory passes per step (float32, version 3; Adagrad makes 5 streams):

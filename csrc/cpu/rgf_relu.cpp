@@ -1,4 +1,4 @@
-// relu with rectified gradient flow on the CPU (DS eq. 15, SPEC.md section 4):
+// relu with rectified gradient flow on the CPU (DS eq. 15, Lee):
 // forward relu(x), backward grad * elu'(x; alpha). One fused pass per direction,
 // parallel over chunks; float/double run 8/4 lanes of AVX2 when the CPU has it
 // (prunopt/sparsification_simd.h), everything else the scalar math of

@@ -1,5 +1,5 @@
 // Sparse gates of differentiable sparsification on the CPU (DS eq. 9-12, 15;
-// SPEC.md section 4). alpha is (groups, n), beta is (groups,); every row is one
+// Lee). alpha is (groups, n), beta is (groups,); every row is one
 // competition group with its own threshold sigmoid(beta_g) ||.||_1.
 //
 //   signed (eq. 12):       a_i = sign(alpha_i) r(|alpha_i| - s L),  L = ||alpha||_1

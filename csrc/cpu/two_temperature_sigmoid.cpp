@@ -1,4 +1,4 @@
-// Two-temperature sigmoid on the CPU (AP eq. 6-7, SPEC.md section 5):
+// Two-temperature sigmoid on the CPU (AP eq. 6-7, Colombo & Gao):
 // forward v = sigmoid(t_l w), backward grad * t_s sigmoid(t_s w)(1 - sigmoid(t_s w)).
 // One fused pass per direction, parallel over chunks; float/double run 8/4 lanes
 // of AVX2 when the CPU has it (prunopt/sparsification_simd.h), everything else

@@ -1,4 +1,4 @@
-// Filter-basis convolution on CUDA (SPEC.md section 3; interspace pruning
+// Filter-basis convolution on CUDA (Wimmer et al.; interspace pruning
 // eq. 4, 6, 8, Alg. 1): the three ops of csrc/cpu/fb_reconstruct.cpp and
 // csrc/cpu/fb_conv2d.cpp with simple, obviously correct kernels.
 //

@@ -1,4 +1,4 @@
-// Exact budget projection on CUDA (SPEC.md section 1).
+// Exact budget projection on CUDA (ProM supplement A.2).
 //
 // The multiplier lives in a small device-side state and is found by a
 // safeguarded Newton iteration on phi: every iteration is one pass over the

@@ -1,4 +1,4 @@
-// prunAdag on CUDA (SPEC.md section 2): the exact top-T threshold and the fused
+// prunAdag on CUDA (Porcelli et al.): the exact top-T threshold and the fused
 // step, with no host synchronisation inside the step.
 //
 // Layout follows apex's multi_tensor_apply: the tensor list is cut into fixed

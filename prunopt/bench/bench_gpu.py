@@ -1,4 +1,4 @@
-"""CUDA side of the issue 3 and issue 4 benchmarks (run where a GPU is lent):
+"""CUDA side of the prunAdag and filter-basis convolution benchmarks (run where a GPU is lent):
 
 * prunAdag: fused PrunAdag step (version 3, relevant=0.1, global scope) against
   ``torch.optim.Adagrad(foreach=True)`` (torch has no fused Adagrad on CUDA) and

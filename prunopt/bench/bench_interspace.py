@@ -1,4 +1,4 @@
-"""Filter-basis convolution (interspace pruning, SPEC.md §3; issue 4).
+"""Filter-basis convolution (interspace pruning, Wimmer et al.).
 
 (a) Training: forward + backward of ``FBConv2d`` against ``nn.Conv2d`` on the
     VGG16-CIFAR layer shapes (Table A7) at batch 32. Target <= 1.05x.

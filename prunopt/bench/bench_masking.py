@@ -1,5 +1,5 @@
 """Per-step overhead of masked training (prunopt.pruning.Masker) against
-unmasked training on a VGG-style CIFAR-shaped model (issue 5, target <= 1.05x).
+unmasked training on a VGG-style CIFAR-shaped model (target <= 1.05x).
 
 One training step = zero_grad, forward, cross-entropy, backward, SGD-momentum
 step (weight decay 5e-4) and, for the masked contenders, ``masker.step()``:

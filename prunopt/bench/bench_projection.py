@@ -1,4 +1,4 @@
-"""Budget projection (SPEC.md §1): the fused op against
+"""Budget projection (ProM supplement A.2): the fused op against
 (a) ``tensor.copy_`` of the same size (the bandwidth floor),
 (b) a plain PyTorch bisection with 40 iterations (one host sync per iteration,
     as the public ProM/ProbMask code does),
@@ -64,7 +64,7 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             "max_err_fused": err,
             "max_err_bisection40": err_bis,
         })
-    notes = ("Targets (issue 2): fused <= 3x copy_, >= 20x faster than the 40-step bisection, exact. "
+    notes = ("Targets: fused <= 3x copy_, >= 20x faster than the 40-step bisection, exact. "
              "Errors are max |theta - exact| against the float64 sort solution. fused allocates its "
              "output (page faults included); (inplace-copy)/copy estimates project_budget_ on an "
              "existing tensor from the copy_ + project_budget_ time.")

@@ -1,4 +1,4 @@
-"""prunAdag step and top-T threshold (issue 3): fused PrunAdag vs
+"""prunAdag step and top-T threshold: fused PrunAdag vs
 torch.optim.Adagrad(fused=True), the foreach and single-tensor PrunAdag paths,
 and the threshold op vs torch.kthvalue on the concatenation.
 
@@ -156,7 +156,7 @@ def run(quick: bool, threads: int, out) -> str:
              "(median of the round medians), the slow paths one after the other. 'read floor': torch.sum over the "
              "six streams the step must read (g, x for the scan; g, x and both accumulators for the element "
              "pass), against Adagrad's three. 'version 4' (1 tensor, same rounds): no ratio r, so its scan reads g "
-             "only (8 streams to version 3's 9; Adagrad makes 5). Targets (issue 3): fused step <= 2.0x fused Adagrad; threshold <= 1.25x fused Adagrad and >= 30x "
+             "only (8 streams to version 3's 9; Adagrad makes 5). Targets: fused step <= 2.0x fused Adagrad; threshold <= 1.25x fused Adagrad and >= 30x "
              "faster than torch.kthvalue; fused >= 100x faster than the single-tensor path. "
              "Rerun: `PYTHONPATH=. python -m bench.run --only prunadag`.")
     return write_results("prunadag", rows, environment(threads), notes, out)

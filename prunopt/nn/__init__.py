@@ -26,7 +26,7 @@ __all__ = [
     "set_temperature",
 ]
 
-# --- interspace pruning: filter-basis convolutions (SPEC.md §3, issue 4) ---
+# --- interspace pruning: filter-basis convolutions (Wimmer et al.) ---
 from prunopt.nn.interspace import (  # noqa: E402
     FBConv2d,
     FilterBasis,
@@ -49,7 +49,7 @@ __all__ += [
     "interspace_report",
 ]
 
-# --- differentiable sparsification / two-temperature masks (issue 6) --------
+# --- differentiable sparsification / two-temperature masks --------
 from prunopt.nn.architecture import *  # noqa: E402,F401,F403
 from prunopt.nn.architecture import __all__ as _architecture_all  # noqa: E402
 from prunopt.nn.sparsification import *  # noqa: E402,F401,F403

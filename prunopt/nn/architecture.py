@@ -1,5 +1,4 @@
-"""Differentiable architecture pruning with two-temperature masks (Colombo & Gao,
-SPEC.md §5).
+"""Differentiable architecture pruning with two-temperature masks (Colombo & Gao).
 
 :class:`TwoTemperatureMask` wraps an ``nn.Linear`` or ``nn.Conv2d`` and multiplies
 its weight by the relaxed mask ``v = sigmoid(t_l w)`` whose backward pass uses the

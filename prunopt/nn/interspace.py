@@ -1,4 +1,4 @@
-"""Filter-basis convolution layers for interspace pruning (SPEC.md §3; Wimmer
+"""Filter-basis convolution layers for interspace pruning (Wimmer
 et al., "Interspace Pruning", CVPR 2022). See ``docs/interspace.md``.
 
 * :class:`FilterBasis` holds ``N`` filters ``g^(1..N)`` of size ``kh × kw``
@@ -713,7 +713,7 @@ def to_interspace(model: nn.Module, sharing: Union[str, SharingFn] = "fine", ini
 
 def interspace_param_groups(model: nn.Module, weight_decay: float, **options) -> List[dict]:
     """Optimizer param groups with ``weight_decay`` on everything but the filter bases,
-    which get none (App. B.3; SPEC.md §3). Shared bases appear once. ``options``
+    which get none (App. B.3; Wimmer et al.). Shared bases appear once. ``options``
     (``lr``, ``momentum``, ...) go into both groups; they may not contain
     ``params`` or ``weight_decay``.
 
@@ -743,7 +743,7 @@ def interspace_param_groups(model: nn.Module, weight_decay: float, **options) ->
 def _prunable(model: nn.Module):
     """(name, effective prunable tensor, dense count) for every prunable tensor:
     masked FB coefficients, conv weights and linear weights (Sec. 4.4). The dense
-    count is the weights of the layer in the standard network (SPEC.md §3, the
+    count is the weights of the layer in the standard network (Wimmer et al., the
     ``D`` of eq. 9): ``C_out C_in/groups kh kw`` for an FB layer, whatever its
     dictionary size ``N``."""
     for name, m in model.named_modules():

@@ -1,4 +1,4 @@
-"""Probabilistic masks: ProbMask (weights) and ProM (inputs), SPEC.md §1.
+"""Probabilistic masks: ProbMask (weights) and ProM (inputs), ProM supplement A.2.
 
 A score ``theta`` in [0, 1] is the probability that a mask entry is 1. During
 training the mask is a relaxed Bernoulli (Gumbel-sigmoid) sample
@@ -95,7 +95,7 @@ def gumbel_sigmoid(theta: Tensor, tau: float, hard: bool = False, generator: Opt
 
 class ProbMask(nn.Module):
     r"""A parametrization ``W -> W * m`` with ``m`` a probabilistic mask of the
-    weight's shape (ProbMask; SPEC.md §1).
+    weight's shape (ProbMask; ProM supplement A.2).
 
     Register it with :func:`apply_probmask` (or
     ``torch.nn.utils.parametrize.register_parametrization(module, "weight", ProbMask(shape))``).

@@ -1,4 +1,4 @@
-"""Differentiable sparsification of graphs (Lee, SPEC.md §4 "other uses").
+"""Differentiable sparsification of graphs (Lee, "other uses").
 
 * :class:`SparseEdges` — the edges of a neural graph (DNW, Wortsman et al. 2019)
   parameterised by the signed gates of eq. 12, so that edges become exact zeros

@@ -1,4 +1,4 @@
-"""Differentiable sparsification layers (Lee, SPEC.md §4).
+"""Differentiable sparsification layers (Lee).
 
 * :class:`SparseGate` — the gate vector ``a`` of one competition group (eq. 9-12,
   rectified gradient flow eq. 15).

@@ -1,4 +1,4 @@
-"""Filter-basis convolution ops of interspace pruning (SPEC.md §3, paper eq. 4-8,
+"""Filter-basis convolution ops of interspace pruning (Wimmer et al., paper eq. 4-8,
 Alg. 1). Re-exported by :mod:`prunopt.ops`; see ``docs/interspace.md``.
 
 Three custom ops (schemas in ``csrc/ops.cpp``):
@@ -65,16 +65,16 @@ __all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compres
 #   eval call below autograd, no used-map scan when every map is used): the
 #   3->64 layer at density 0.01 then takes the sparse path, 54 us against
 #   conv2d's 63 us at 2 threads.
-#   "AVX512" (Intel Xeon with AVX-512, session 8): oneDNN's conv2d is about twice
+#   "AVX512" (Intel Xeon with AVX-512): oneDNN's conv2d is about twice
 #   as fast per multiply-add there and keeps its speed on small images, so the
 #   AVX2 set chose the sparse path for the 2x2 layers at density 0.5 (0.99 ms
 #   against conv2d's 0.37 ms).
 COST_CONSTANTS = {
     "default": dict(per_mac=2.2, per_nnz=29.0, maps_per_mac=0.36, fixed=1.5e6, dense_small_image=160.0,
                     dense_fixed=0.0),
-    # tools/fit_fb_cost_model.py on the Xeon host (refitted 2026-11-23 after the session-9 maps and
+    # tools/fit_fb_cost_model.py on the Xeon host (refitted after the used-map and
     # mix changes; 14 layer shapes, densities 0.01-0.7): the faster path in 76 of 84 cases (misses
-    # up to 1.22x, near density 0.3 and on the 3->64 layer); the session-8 set picked it in 68 of 84
+    # up to 1.22x, near density 0.3 and on the 3->64 layer); the previous fit picked it in 68 of 84
     # after those changes (misses up to 3.4x: the sparse path had become faster than it predicts)
     "AVX512": dict(per_mac=2.12, per_nnz=38.4, maps_per_mac=1.48, fixed=1.44e6, dense_small_image=60.0,
                    dense_fixed=7.17e5),

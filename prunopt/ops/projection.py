@@ -27,7 +27,7 @@ def _use_kernel(tensors: List[Tensor]) -> bool:
 
 
 def project_budget(theta: TensorOrList, budget: float, cost: Optional[TensorOrList] = None):
-    r"""Exact Euclidean projection onto the budget set (SPEC.md §1, ProM supplement eq. 9-17).
+    r"""Exact Euclidean projection onto the budget set (ProM supplement A.2, eq. 9-17).
 
     .. math::
         \theta^* = \arg\min_x \|x - \theta\|^2 \;\; \text{s.t.}\;\; 0 \le x_i \le 1,\;

@@ -5,7 +5,7 @@ from prunopt.optim.budget import BudgetProjection
 __all__ = ["BudgetProjection"]
 
 
-# --- prunAdag (SPEC.md section 2) ---
+# --- prunAdag (Porcelli et al.) ---
 from prunopt.optim.prunadag import PrunAdag  # noqa: E402  (functional form: prunopt.optim.prunadag.prunadag)
 
 __all__ += ["PrunAdag"]

@@ -19,7 +19,7 @@ Density = Union[float, DensitySchedule, Callable[[int], float]]
 
 class BudgetProjection:
     r"""Projects score parameters onto ``{0 <= theta <= 1, sum(c * theta) <= S}``
-    after every optimizer step (SPEC.md §1; ProM supplement eq. 9-17).
+    after every optimizer step (ProM supplement A.2, eq. 9-17).
 
     The budget is ``S(i) = d(i) * D`` with ``D`` the number of scores (or the
     sum of the costs) and ``d`` a fixed density or a schedule (e.g.

@@ -1,4 +1,4 @@
-r"""prunAdag: pruning-aware Adagrad with a global top-T relevant set (SPEC.md §2;
+r"""prunAdag: pruning-aware Adagrad with a global top-T relevant set (Porcelli et al.;
 Porcelli, Seraghiti, Toint 2025, Algorithm 2.1).
 
 Per step, over the ``n`` elements that take part (the pruned parameters of a
@@ -411,7 +411,7 @@ def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
 
 
 class PrunAdag(torch.optim.Optimizer):
-    r"""prunAdag (Porcelli, Seraghiti, Toint 2025, Algorithm 2.1; SPEC.md §2).
+    r"""prunAdag (Porcelli, Seraghiti, Toint 2025, Algorithm 2.1).
 
     Adagrad on the *optimisable* elements ``O = R ∪ A`` (eq. 2.4, 2.9) and an
     Adagrad-like trust-region shrink of the *decreasable* ones ``D`` (eq. 2.10,

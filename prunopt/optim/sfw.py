@@ -1,5 +1,5 @@
 r"""Stochastic Frank-Wolfe on the T-support-norm ball (Zimmer, Spiegel, Pokutta;
-the FW baselines of the prunAdag paper, SPEC.md §2).
+the FW baselines of the prunAdag paper, Porcelli et al.).
 
 .. math::
     \mathcal C_T(\tau) = \mathrm{conv}\{x : \|x\|_0 \le T, \|x\|_2 \le \tau\}, \qquad

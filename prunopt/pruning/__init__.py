@@ -2,7 +2,7 @@
 interspace weights."""
 __all__ = []
 
-# --- pruning toolkit (issue 5): masks, scores, selection, methods, storage ---
+# --- pruning toolkit: masks, scores, selection, methods, storage ---
 from prunopt.pruning.masks import Masker, PrunableTensor, WeightMask, is_fb_conv, prunable_tensors, remove_masks  # noqa: E402
 from prunopt.pruning.selection import (  # noqa: E402
     check_sparsity,

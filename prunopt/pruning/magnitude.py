@@ -1,5 +1,5 @@
 """A posteriori magnitude pruning and the prunAdag paper's robustness measures
-(section 3, eq. 3.1; SPEC.md §2)."""
+(section 3, eq. 3.1; Porcelli et al.)."""
 from __future__ import annotations
 
 import math

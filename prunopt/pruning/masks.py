@@ -11,11 +11,11 @@ name (FQN), e.g. ``"features.0.weight"`` or ``"features.3.coefficients"``:
   ``<module>.parametrizations.weight.original`` and
   ``<module>.parametrizations.weight.0.mask``.
 * ``prunopt.nn.FBConv2d``: the ``coefficients`` ``lam``; the layer already
-  computes with ``lam * mu`` using its own ``mask`` buffer ``mu`` (SPEC.md §3,
+  computes with ``lam * mu`` using its own ``mask`` buffer ``mu`` (Wimmer et al.,
   paper Sec. 4.4), which the masker writes.
 
 Bases (``FilterBasis.weight``), biases and normalisation parameters are never
-prunable (SPEC.md §3, paper Sec. 4.4).
+prunable (Wimmer et al., paper Sec. 4.4).
 
 **Invariant.** For every pruned entry ``(mu = 0)`` the stored parameter, its
 gradient and every per-element optimizer state tensor (momentum buffers,

@@ -1,4 +1,4 @@
-"""Pruning methods (paper Sec. 5, App. G; SPEC.md §3), each a small object that
+"""Pruning methods (paper Sec. 5, App. G; Wimmer et al.), each a small object that
 works beside any optimizer, for spatial weights (SP) and FB coefficients (IP)
 alike (they only see the :class:`~prunopt.pruning.Masker`'s tensors).
 

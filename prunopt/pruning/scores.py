@@ -1,4 +1,4 @@
-"""Pruning scores (paper App. F, SPEC.md §3) for spatial weights (SP) and
+"""Pruning scores (paper App. F, Wimmer et al.) for spatial weights (SP) and
 filter-basis coefficients (IP) alike.
 
 Every score function takes a *target* — a :class:`~prunopt.pruning.Masker` or a

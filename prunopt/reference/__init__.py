@@ -8,7 +8,7 @@ from prunopt.reference.projection import (
 
 __all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]
 
-# --- interspace pruning: filter-basis convolution (SPEC.md §3, issue 4) ---
+# --- interspace pruning: filter-basis convolution (Wimmer et al.) ---
 from prunopt.reference.interspace import (  # noqa: E402
     fb_coefficient_grads_reference,
     fb_conv2d_reference,
@@ -23,7 +23,7 @@ __all__ += [
     "fb_coefficient_grads_reference",
 ]
 
-# --- prunAdag (SPEC.md section 2) ---
+# --- prunAdag (Porcelli et al.) ---
 from prunopt.reference.prunadag import (  # noqa: E402
     TensorHyper,
     prunadag_step_reference,
@@ -40,7 +40,7 @@ __all__ += [
     "topk_threshold_reference",
 ]
 
-# --- differentiable sparsification / architecture pruning (issue 6) ---------
+# --- differentiable sparsification / architecture pruning ---------
 from prunopt.reference.gates import (  # noqa: E402
     rgf_relu_backward_reference,
     rgf_relu_composed,

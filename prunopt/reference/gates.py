@@ -1,6 +1,6 @@
 """Readable references of the gate ops: differentiable sparsification (Lee,
-SPEC.md §4: ``rgf_relu``, ``sparse_gate``) and the two-temperature sigmoid of
-differentiable architecture pruning (Colombo & Gao, SPEC.md §5, eq. 6-7).
+Lee: ``rgf_relu``, ``sparse_gate``) and the two-temperature sigmoid of
+differentiable architecture pruning (Colombo & Gao, eq. 6-7).
 
 Two kinds of function live here:
 

@@ -1,4 +1,4 @@
-"""Reference filter-basis (FB) convolution for interspace pruning (SPEC.md §3;
+"""Reference filter-basis (FB) convolution for interspace pruning (Wimmer et al.;
 Wimmer et al., "Interspace Pruning", CVPR 2022).
 
 A K×K convolution's filters are written in a filter basis / dictionary

@@ -1,4 +1,4 @@
-"""Reference budget projection (SPEC.md section 1; ProM supplement A.2).
+"""Reference budget projection (ProM supplement A.2).
 
 Solves, for scores ``t``, positive costs ``c`` and a budget ``S >= 0``::
 
@@ -132,7 +132,7 @@ def _finish(thetas, costs, lam, single):
 def project_budget_reference(theta: TensorOrList, budget, cost: Optional[TensorOrList] = None):
     """Exact projection onto ``{0 <= theta <= 1, sum(cost * theta) <= budget}``.
 
-    Bisection with a linear solve on the free set (SPEC.md section 1). Accepts a
+    Bisection with a linear solve on the free set (ProM supplement A.2). Accepts a
     tensor or a list projected jointly under one budget; returns the same kind.
     Computes in float64 and returns the input dtype.
     """

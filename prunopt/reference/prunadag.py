@@ -1,4 +1,4 @@
-"""Reference prunAdag step, top-T threshold and Frank-Wolfe LMO (SPEC.md section 2;
+"""Reference prunAdag step, top-T threshold and Frank-Wolfe LMO (Porcelli et al.;
 Porcelli, Seraghiti, Toint, "prunAdag", Algorithm 2.1).
 
 Written for reading, not for speed: the relevant set is found with
@@ -37,7 +37,7 @@ VERSIONS = (1, 2, 3, 4, "relevant_only")
 
 
 def step_lr(lr, lr_decay, k):
-    """``lr_k = lr / (1 + k * lr_decay)`` (SPEC.md section 2, step 1), for floats or
+    """``lr_k = lr / (1 + k * lr_decay)`` (Algorithm 2.1 step 1, Porcelli et al.), for floats or
     tensors alike."""
     return lr / (1.0 + k * lr_decay)
 
@@ -57,7 +57,7 @@ class TensorHyper:
 
     @property
     def lr_k(self) -> float:
-        """``lr_k = lr / (1 + k * lr_decay)`` (SPEC.md section 2, step 1)."""
+        """``lr_k = lr / (1 + k * lr_decay)`` (Algorithm 2.1 step 1, Porcelli et al.)."""
         return step_lr(self.lr, self.lr_decay, self.k)
 
 
@@ -173,7 +173,7 @@ def prunadag_step_reference(
                 rel.append(torch.ones_like(g, dtype=torch.bool))
         # Step 4: sign-matched irrelevant set M = {i not in R : x_i g_i > 0}
         match = [(~r) & (x * g > 0) for x, g, r in zip(params, gs, rel)]
-        # Table 1 ratio r = ||g||_R / ||x||_M (float64; SPEC.md resolves S := M)
+        # Table 1 ratio r = ||g||_R / ||x||_M (float64; prunopt reads the paper's S as M)
         g_r = sum((gs[i].double().pow(2) * rel[i]).sum().item() for i in pruned) if pruned else 0.0
         x_m = sum((params[i].double().pow(2) * match[i]).sum().item() for i in pruned) if pruned else 0.0
         ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0

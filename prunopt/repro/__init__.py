@@ -29,6 +29,6 @@ def register_repro(name: str, run: Callable, help: str, add_arguments: Optional[
 
 # Reproduction modules register themselves on import (none yet).
 from prunopt.repro import prunadag  # noqa: E402,F401  (prunAdag paper, Table 2 and 4)
-from prunopt.repro import interspace as _interspace  # noqa: E402,F401  (issue 4: prunopt repro interspace)
-# issue 6: differentiable sparsification / architecture pruning reproductions
+from prunopt.repro import interspace as _interspace  # noqa: E402,F401  (prunopt repro interspace)
+# differentiable sparsification / architecture pruning reproductions
 from prunopt.repro import ap, ds  # noqa: E402,F401

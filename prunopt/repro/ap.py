@@ -1,4 +1,4 @@
-"""``prunopt repro ap``: the AP paper's Fig. 1 (Colombo & Gao, SPEC.md §5).
+"""``prunopt repro ap``: the AP paper's Fig. 1 (Colombo & Gao).
 
 Logistic regression on the 0-vs-1 digits selects a sparse sub-model through a
 two-temperature mask on its 64 weights: t_l = 1000 and t_s in {t_l, t_l/100,

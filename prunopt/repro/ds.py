@@ -1,4 +1,4 @@
-"""``prunopt repro ds``: the DS paper's Fig. 1-2 on a small CNN (Lee, SPEC.md §4).
+"""``prunopt repro ds``: the DS paper's Fig. 1-2 on a small CNN (Lee).
 
 SmallCNN with sparse batch norm (eq. 17, gates start at 0.5) is trained from
 scratch on the embedded digits, once with the l1 (eq. 2) and once with the

@@ -134,7 +134,7 @@ def solve(grad_fn, x0: torch.Tensor, method: str, T: int, iters: int, tol: float
 # one optimizer step is dominated by Python overhead, so the runs are stacked as
 # the rows of a (B, n) float64 problem and every quantity of Algorithm 2.1 that
 # the paper takes over "the" parameter vector -- the top-T set (eq. 2.6), the
-# ratio r = ||g||_R / ||x||_M (Table 1, SPEC.md section 2), ||g||_R of the LMO
+# ratio r = ||g||_R / ||x||_M (Table 1, Porcelli et al.), ||g||_R of the LMO
 # (eq. 1.2), FW2's ||v - x|| -- is taken per row. The element arithmetic is that
 # of prunopt.reference.prunadag / prunopt.optim.sfw / torch.optim.Adagrad, op for
 # op, so one row reproduces the library optimizer (tests/repro/test_prunadag_repro.py).
@@ -142,7 +142,7 @@ def solve(grad_fn, x0: torch.Tensor, method: str, T: int, iters: int, tol: float
 
 def _row_relevant(g: torch.Tensor, T: int) -> torch.Tensor:
     """Per row, ``R = {i : |g_i| >= tau}`` with ``tau`` the T-th largest ``|g_i|``
-    of the row (ties at ``tau`` are all relevant, eq. 2.6 / SPEC.md section 2)."""
+    of the row (ties at ``tau`` are all relevant, eq. 2.6 / Porcelli et al.)."""
     ag = g.abs()
     if T >= g.shape[1]:
         return torch.ones_like(ag, dtype=torch.bool)
@@ -151,7 +151,7 @@ def _row_relevant(g: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def batched_prunadag_step(x, g, opt_sum, dec_sum, k: int, T: int, version, lr: float = 1.0, eps: float = 0.0):
-    """One prunAdag step (Algorithm 2.1, SPEC.md section 2) on every row of ``x``
+    """One prunAdag step (Algorithm 2.1, Porcelli et al.) on every row of ``x``
     (``(B, n)``): row ``b`` is the whole parameter vector of run ``b`` (its own
     top-T set and ratio ``r``). ``k`` is the step counter shared by the rows.
     Returns the new ``(x, opt_sum, dec_sum)``; the inputs are not modified."""

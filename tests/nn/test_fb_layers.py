@@ -788,7 +788,7 @@ def test_meta_device_layer():
 
 @pytest.mark.parametrize("n", [4, 9, 16])
 def test_pruning_rates_count_the_standard_network_for_a_dictionary(n):
-    # D of eq. 9 (SPEC.md §3) is C_out C_in/groups K^2 whatever the dictionary size N
+    # D of eq. 9 (Wimmer et al.) is C_out C_in/groups K^2 whatever the dictionary size N
     layer = FBConv2d(2, 4, 3, groups=2, basis=FilterBasis(3, size=n, init="random", generator=_gen()))
     layer.mask.zero_()
     layer.mask[:, :, 0] = 1  # 4 non-zero coefficients

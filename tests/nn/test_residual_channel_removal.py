@@ -1,4 +1,4 @@
-"""Channel removal in residual blocks (DS eq. 17 export, SPEC.md §4)."""
+"""Channel removal in residual blocks (DS eq. 17 export, Lee)."""
 import pytest
 import torch
 from torch import nn

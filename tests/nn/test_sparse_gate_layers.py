@@ -1,4 +1,4 @@
-"""SparseGate, SparseBatchNorm2d, regularisers, schedule and channel removal (SPEC.md §4)."""
+"""SparseGate, SparseBatchNorm2d, regularisers, schedule and channel removal (Lee)."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""SparseEdges, SparseAdjacency, balanced_normalize (SPEC.md §4, DS "other uses")."""
+"""SparseEdges, SparseAdjacency, balanced_normalize (Lee, DS "other uses")."""
 import pytest
 import torch
 

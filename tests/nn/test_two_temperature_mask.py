@@ -1,4 +1,4 @@
-"""TwoTemperatureMask and its utilities (SPEC.md §5)."""
+"""TwoTemperatureMask and its utilities (Colombo & Gao)."""
 import copy
 import math
 import warnings

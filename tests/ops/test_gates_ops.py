@@ -1,4 +1,4 @@
-"""rgf_relu, sparse_gate and two_temperature_sigmoid (SPEC.md §4-5): kernels vs the
+"""rgf_relu, sparse_gate and two_temperature_sigmoid (Lee; Colombo & Gao): kernels vs the
 float64 reference, custom backwards vs the papers' formulas, opcheck, gradcheck,
 torch.compile and argument errors."""
 import math

@@ -1,5 +1,5 @@
 """prunopt.ops.fb_conv2d / fb_reconstruct / fb_conv2d_compressed against the
-float64 reference (SPEC.md §3; eq. 4, 6, 7, 8, A.12-A.14)."""
+float64 reference (Wimmer et al.; eq. 4, 6, 7, 8, A.12-A.14)."""
 import pytest
 import torch
 from hypothesis import example, given, strategies as st
@@ -332,7 +332,7 @@ def test_compress_round_trip():
 
 def test_cost_model_picks_the_path_by_density_and_image_size(monkeypatch):
     """The model's form, with the AVX2 ("default") constants pinned: the AVX512
-    set (refitted in session 9) takes the sparse path for the 3-channel layer
+    set takes the sparse path for the 3-channel layer
     up to density ~0.18, where it is 1.02-1.22x slower (docs/interspace.md)."""
     from prunopt.ops import interspace as ops_interspace
     from prunopt.ops.interspace import auto_max_density, sparse_is_faster

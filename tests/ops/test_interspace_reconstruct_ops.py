@@ -1,5 +1,5 @@
 """The fused reconstruction and its fused backward, prunopt::fb_reconstruct and
-prunopt::fb_reconstruct_backward, against the float64 reference (SPEC.md §3;
+prunopt::fb_reconstruct_backward, against the float64 reference (Wimmer et al.;
 eq. 4, 7, A.13, A.14): every vector width and the scalar loops, rows that end
 at thread-chunk boundaries, float32/float64/bfloat16, output masks, double
 backward, opcheck and torch.compile."""

@@ -1,4 +1,4 @@
-"""prunopt.ops.project_budget: kernel vs float64 sort-based oracle (SPEC.md §1)."""
+"""prunopt.ops.project_budget: kernel vs float64 sort-based oracle (ProM supplement A.2)."""
 import math
 import os
 
@@ -68,7 +68,7 @@ def test_matches_sort_oracle(case):
     exact = project_budget_sort(t.double(), S, None if c is None else c.double())
     out = project_budget(t, S, c)
     assert out.dtype == t.dtype and out.shape == t.shape
-    # SPEC.md §1 bounds hold for scores of order one; with scores of order
+    # The projection's accuracy bounds hold for scores of order one; with scores of order
     # `scale` the rounding of the multiplier grows with it (docs/projection.md).
     tol = tolerance(dtype)
     tol["atol"] *= max(1.0, scale / (1.0 if c is None else 0.05))
@@ -82,7 +82,7 @@ def test_matches_sort_oracle(case):
 @pytest.mark.parametrize("dtype", float_dtypes())
 @pytest.mark.parametrize("n", [1, 100, 200_000])
 def test_exactness_bounds(device, dtype, n):
-    # SPEC.md §1: <= 1e-12 in float64, <= 1e-5 in float32 against the sort solution
+    # accuracy bound of the projection: <= 1e-12 in float64, <= 1e-5 in float32 against the sort solution
     g = torch.Generator().manual_seed(n)
     t = (torch.randn(n, generator=g, dtype=torch.float64) * 0.4 + 0.5).to(dtype)
     S = 0.1 * n

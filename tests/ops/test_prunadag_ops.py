@@ -1,5 +1,5 @@
 """prunopt ops of prunAdag: topk_threshold vs torch.kthvalue, prunadag_step_
-vs the float64-safe reference (SPEC.md §2), opcheck and errors."""
+vs the float64-safe reference (Porcelli et al.), opcheck and errors."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""PrunAdag (SPEC.md §2): the three paths against each other and against
+"""PrunAdag (Porcelli et al.): the three paths against each other and against
 torch.optim.Adagrad, state dicts, schedulers, compile, errors."""
 import copy
 import math
@@ -58,7 +58,7 @@ def _torch_sqrt_is_ieee(dtype):
     (torch.float32, hp) for hp in [dict(), dict(weight_decay=0.05), dict(maximize=True), dict(lr_decay=0.3),
                                    dict(initial_accumulator_value=0.5, eps=1e-3)]])
 def test_relevant_one_is_adagrad(path, dtype, hp):
-    """SPEC.md §2: relevant=1.0 (T = n) is torch.optim.Adagrad step for step."""
+    """prunAdag (Porcelli et al.): relevant=1.0 (T = n) is torch.optim.Adagrad step for step."""
     kw = dict(lr=0.3, initial_accumulator_value=hp.get("initial_accumulator_value", 0.01), eps=hp.get("eps", 1e-10),
               weight_decay=hp.get("weight_decay", 0.0), lr_decay=hp.get("lr_decay", 0.0), maximize=hp.get("maximize", False))
     ref, _ = _run(lambda p: torch.optim.Adagrad(p, foreach=False, **kw), dtype)

@@ -78,7 +78,7 @@ def test_batched_per_run_stopping():
 
 @pytest.mark.parametrize("version", [1, 2, 3, 4, "relevant_only"])
 def test_batched_step_matches_reference(version):
-    """One batched step equals the reference step of SPEC.md section 2 on every
+    """One batched step equals the reference step of Algorithm 2.1 (Porcelli et al.) on every
     row, including ties at the threshold, zeros, k > 0, lr != 1 and eps > 0."""
     g = torch.Generator().manual_seed(3)
     B, n, T, k, lr, eps = 4, 50, 7, 5, 0.3, 1e-3

@@ -1,5 +1,5 @@
-// Argument checks of the filter-basis convolution ops (host only; SPEC.md
-// section 3). Every failure is a ValueError (TORCH_CHECK_VALUE) naming the
+// Argument checks of the filter-basis convolution ops (host only; interspace
+// pruning, Wimmer et al.). Every failure is a ValueError (TORCH_CHECK_VALUE) naming the
 // argument, so the raw ops are as safe as the Python wrappers.
 #pragma once
 

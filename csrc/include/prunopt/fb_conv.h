@@ -1,4 +1,4 @@
-// Torch-free index math of the filter-basis convolution (SPEC.md section 3,
+// Torch-free index math of the filter-basis convolution (Wimmer et al.,
 // interspace pruning eq. 4, 6, 8), shared by the CPU and CUDA kernels.
 //
 //   h[o,i]  = sum_n lam[o,i,n] mu[o,i,n] g[n]                     (eq. 4)

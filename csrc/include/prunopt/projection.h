@@ -1,4 +1,4 @@
-// Torch-free math of the budget projection (SPEC.md section 1), shared by the
+// Torch-free math of the budget projection (ProM supplement A.2), shared by the
 // CPU and CUDA kernels.
 //
 //   theta* = clamp(t - lam* c, 0, 1),  lam* = max(0, lam1),  phi(lam1) = 0

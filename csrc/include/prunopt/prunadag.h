@@ -1,4 +1,4 @@
-// Torch-free math of prunAdag (SPEC.md section 2; Algorithm 2.1), shared by the
+// Torch-free math of prunAdag (Porcelli et al.; Algorithm 2.1), shared by the
 // CPU and CUDA kernels.
 //
 // One selection scope: tau = the T-th largest |g| over its pruned elements,
@@ -88,7 +88,7 @@ PRUNOPT_HD void update_one(T& x, T& so, T& sd, T g, T tau_eff, T nlr, T lr, T a_
   sd = opt ? sd : sd_new;
 }
 
-// r = ||g||_R / ||x||_M, 0 if ||x||_M = 0 (SPEC.md: S := M).
+// r = ||g||_R / ||x||_M, 0 if ||x||_M = 0 (prunopt reads the paper's S as M).
 PRUNOPT_HD double ratio(double g_r2, double x_m2) {
   return x_m2 > 0.0 ? sqrt(g_r2) / sqrt(x_m2) : 0.0;
 }

@@ -1,5 +1,5 @@
 // Torch-free math of the differentiable-sparsification and architecture-pruning
-// ops (SPEC.md sections 4 and 5), shared by the CPU and CUDA kernels.
+// ops (Lee; Colombo & Gao), shared by the CPU and CUDA kernels.
 //
 //   rgf_relu:   y = relu(x);  dy/dx := 1 (x > 0), rgf_alpha * exp(x) (x <= 0)
 //               (the elu(., rgf_alpha) derivative: rectified gradient flow, DS eq. 15;

@@ -43,10 +43,10 @@ def register_method(name: str, run: Callable, help: str, add_arguments: Optional
 # Method modules register themselves on import.
 from prunopt.train.methods import probmask  # noqa: E402,F401
 
-# --- pruning toolkit (issue 5): pai-random, snip, grasp, synflow, lt, set, rigl, gmp, ft ---
+# --- pruning toolkit: pai-random, snip, grasp, synflow, lt, set, rigl, gmp, ft ---
 from prunopt.train.methods import toolkit  # noqa: E402,F401
 
 from prunopt.train.methods import prunadag  # noqa: E402,F401  (prunAdag)
 
-# issue 6: differentiable sparsification and two-temperature architecture pruning
+# differentiable sparsification and two-temperature architecture pruning
 from prunopt.train.methods import ap, ds  # noqa: E402,F401

@@ -1,5 +1,5 @@
 """``prunopt train --method ap``: differentiable architecture pruning with
-two-temperature masks (Colombo & Gao, SPEC.md §5).
+two-temperature masks (Colombo & Gao).
 
 1. Train the dense SmallCNN (``dense_acc``).
 2. Wrap every conv/linear layer in :class:`TwoTemperatureMask` (t_l = 1000,

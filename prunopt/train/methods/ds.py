@@ -1,4 +1,4 @@
-"""``prunopt train --method ds``: differentiable sparsification (Lee, SPEC.md §4).
+"""``prunopt train --method ds``: differentiable sparsification (Lee).
 
 Optimisation (the recipe of ``prunopt repro ds``, see docs/sparsification.md):
 SGD with momentum 0.9 and a cosine learning rate (``--lr``, default 0.1) for

@@ -4,7 +4,7 @@
 2. Wrap every Conv2d/Linear weight with a probabilistic mask (scores start at
    1), train weights and scores jointly; after every step the scores are
    projected onto the annealed budget ``S(i) = d(i) D`` (DensitySchedule,
-   SPEC.md §1) by the fused projection, and the Gumbel-sigmoid temperature is
+   ProM supplement A.2) by the fused projection, and the Gumbel-sigmoid temperature is
    annealed.
 3. Fix the deterministic mask with exactly ``round(density * D)`` ones, briefly
    fine-tune the weights under it, and report the pruned accuracy.
@@ -96,5 +96,5 @@ def run(args) -> Summary:
     return summary
 
 
-register_method("probmask", run, "ProbMask: probabilistic weight masks under an annealed budget (SPEC.md §1)", add_arguments,
+register_method("probmask", run, "ProbMask: probabilistic weight masks under an annealed budget (ProM supplement A.2)", add_arguments,
                 check_arguments)

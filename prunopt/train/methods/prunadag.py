@@ -1,7 +1,7 @@
 """``prunopt train --method prunadag --sparsity P``: train the example CNN with
 :class:`prunopt.optim.PrunAdag` (conv and linear weights pruned, BN and bias
 parameters in a ``prune=False`` group), then magnitude-prune the weights a
-posteriori to sparsity ``P`` (prunAdag paper, section 3; SPEC.md §2)."""
+posteriori to sparsity ``P`` (prunAdag paper, section 3; Porcelli et al.)."""
 from __future__ import annotations
 
 import torch
