@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.ops import two_temperature_sigmoid
 
 __all__ = [
@@ -75,6 +76,8 @@ class TwoTemperatureMask(nn.Module):
     inference fast path): the masked weight and the layer's bias. The layer's
     own weight is ``layer.weight``.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, layer: nn.Module, t_l: float = 1000.0, t_s: Optional[float] = None, init_scale: float = 1e-2,
                  generator: Optional[torch.Generator] = None):

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.schedules import _real
 
 __all__ = [
@@ -112,6 +113,8 @@ class ProbMask(nn.Module):
         tau: initial temperature.
         hard: straight-through hard samples instead of soft ones.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, shape: Sequence[int], init: float = 1.0, tau: float = 1.0, hard: bool = False,
                  dtype: Optional[torch.dtype] = None, device=None):
@@ -195,6 +198,8 @@ class ProbMaskInput(nn.Module):
         shape: the mask shape (the trailing dimensions of the input).
         init, tau, hard: as in :class:`ProbMask`.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, shape: Sequence[int], init: float = 0.5, tau: float = 1.0, hard: bool = True):
         super().__init__()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.nn._swap import swap_modules
 from prunopt.ops import sparse_gate
 
@@ -154,6 +155,8 @@ class SparseGate(nn.Module):
     that dropped components keep learning. Calling the module returns ``a``.
     """
 
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
+
     def __init__(self, num_gates: int, signed: bool = True, rgf: bool = True, rgf_alpha: float = 0.1,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
@@ -224,6 +227,8 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
     ``BatchNorm2d`` with weight 1 and bias ``b``. Running statistics behave as in
     ``BatchNorm2d``; ``affine`` is not accepted (the gate is the affine part).
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  track_running_stats: bool = True, signed: bool = True, rgf: bool = True, rgf_alpha: float = 0.1,
