@@ -147,6 +147,19 @@ class TwoTemperatureMask(nn.Module):
         """The wrapped layer's bias (read-only)."""
         return self.layer.bias
 
+    # the wrapped layer's hyper-parameters, for code that reads them from the layer it called
+    # (e.g. transformers' MobileNetV2 computes its TF-style padding from the conv's stride and kernel)
+    _LAYER_ATTRS = frozenset({"in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride",
+                              "padding", "dilation", "groups", "padding_mode", "transposed", "output_padding"})
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in TwoTemperatureMask._LAYER_ATTRS and "layer" in self._modules:
+                return getattr(self._modules["layer"], name)
+            raise
+
     def forward(self, x: Tensor) -> Tensor:
         weight = self.masked_weight()
         if isinstance(self.layer, nn.Linear):
