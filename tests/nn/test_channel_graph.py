@@ -230,3 +230,25 @@ def test_graph_reports_calls_and_kept_channels():
     assert g.keep(g.calls[0].output).tolist() == [0, 1, 2]
     assert g.keep(g.calls[2].input).tolist() == [0, 1, 2]
     assert g.keep(g.calls[0].input).tolist() == [0]  # the model's input
+
+
+def test_fb_layers_shrink_like_convolutions():
+    from prunopt.nn import FBConv2d, to_interspace
+
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(2, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+                          nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+                          nn.Conv2d(6, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    model = _randomise(convert_to_sparse_batchnorm(to_interspace(model, init="orthonormal"), preserve=False)).eval()
+    with torch.no_grad():
+        model[0].mask[1, 0, 2] = 0.0  # a pruned coefficient stays pruned in the smaller layer
+    _zero(model[4], [2, 3])  # after the depthwise FB layer: both FB layers around it lose 2 and 3
+    x = torch.randn(2, 2, 5, 5)
+    small = remove_channels(model, example_input=x)
+    fb = [m for m in small.modules() if isinstance(m, FBConv2d)]
+    assert [(m.in_channels, m.out_channels, m.groups) for m in fb] == [(2, 4, 1), (4, 4, 4), (4, 4, 1)]
+    assert [tuple(m.coefficients.shape) for m in fb] == [(4, 2, 9), (4, 1, 9), (4, 4, 9)]
+    assert fb[0].mask[1, 0, 2] == 0 and fb[0].mask.shape == fb[0].coefficients.shape
+    torch.testing.assert_close(small(x), model(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the eval caches (CSR) are built for the new shapes
+        torch.testing.assert_close(small(x), model(x), atol=1e-5, rtol=1e-5)
