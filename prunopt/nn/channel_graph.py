@@ -287,9 +287,11 @@ class ChannelGraph:
     symbolically without one). After construction:
 
     * :attr:`calls`: every call of a layer kept whole (conv, linear, BN,
-      FBConv2d), with its input and output values;
-    * :meth:`removable`: per traced value, the channels that can be removed;
-    * :meth:`keep_of`: per layer, the input and output channels to keep.
+      FBConv2d), with its input and output values (``_Call``);
+    * :meth:`keep`: the channels of a traced value that stay;
+    * :meth:`removes_anything`: whether any channel goes.
+
+    :func:`shrink_layers` then slices the layers.
 
     ``ChannelGraphError`` when the model cannot be traced, or when a removable
     group is held only by an operation the analysis cannot follow (naming the
@@ -357,7 +359,7 @@ class ChannelGraph:
             if not z:
                 self.slots.read_nonzero[s] = True
 
-    def _like(self, v: _Val, zero=None, *, same_slots: bool = True, shape=None, spatial1=None) -> _Val:
+    def _like(self, v: _Val, zero=None, *, shape=None, spatial1=None) -> _Val:
         """A value with the channels of ``v`` joined to it (elementwise ops)."""
         out = _Val(list(v.slots), v.cdim, v.ndim, shape if shape is not None else v.shape,
                    list(v.zero if zero is None else zero), False, v.spatial1 if spatial1 is None else spatial1)
@@ -609,8 +611,6 @@ class ChannelGraph:
             kwargs = dict(kwargs, output_size=m.output_size)
         elif op == "hardtanh":
             kwargs = dict(kwargs, min_val=m.min_val, max_val=m.max_val)
-        elif op == "leaky_relu":
-            pass
         return self._function(op, list(args[:1]), kwargs, name, out_shape, None)
 
     # -------------------------------------------------------------- functions
@@ -933,6 +933,7 @@ class ChannelGraph:
                             dtype=torch.long)
 
     def removes_anything(self) -> bool:
+        """Whether any channel of the model can be removed."""
         return bool(self._removable)
 
 
