@@ -10,6 +10,11 @@
     products. Beside each speedup: the ideal FLOP ratio of App. D,
     dense FLOPs / (sparse FLOPs + basis overhead) = 1/((1-p) + K^2/C_out) per layer.
 
+(c) The functional op ``prunopt.ops.fb_conv2d`` (no cached CSR) on every
+    VGG16-CIFAR layer at batch 1, p = 0.9: ``path="auto"`` against its own
+    ``"dense"`` and ``"sparse"`` paths. Check: ``auto`` within 1.10x of the
+    faster of the two on every layer (``fb_conv2d_auto_path.md`` says PASS or FAIL).
+
 Every contender is checked against the others before it is timed.
 """
 from __future__ import annotations
@@ -220,6 +225,47 @@ def _inference_rows(quick: bool, threads: int):
     return rows
 
 
+AUTO_TOLERANCE = 1.10  # path="auto" may take at most this times the faster of its two paths
+
+
+def _auto_path_rows(quick: bool, threads: int, p: float = 0.9):
+    """(c) The functional op ``fb_conv2d(path="auto")`` (no cached CSR) on
+    every VGG16-CIFAR layer at batch 1 and coefficient sparsity ``p``, against
+    its own ``path="dense"`` (reconstruct + conv2d) and ``path="sparse"``
+    (count, build the CSR, eq. 8). The check: ``auto`` within
+    :data:`AUTO_TOLERANCE` of the faster of the two on every layer."""
+    from prunopt.ops import fb_conv2d
+    from prunopt.ops import interspace as ops_interspace
+
+    rows = []
+    shapes = sorted(set(VGG16_CIFAR), key=VGG16_CIFAR.index)
+    for c_in, c_out, hw in shapes:
+        torch.manual_seed(2)
+        g = FilterBasis(3, init="orthonormal").weight.detach()
+        lam = torch.randn(c_out, c_in, g.shape[0])
+        mu = torch.bernoulli(torch.full(lam.shape, 1 - p))
+        x = torch.randn(1, c_in, hw, hw)
+        b = torch.randn(c_out)
+        fns = {path: (lambda path=path: fb_conv2d(x, lam, g, mu, b, 1, 1, path=path))
+               for path in ("dense", "sparse", "auto")}
+        with torch.no_grad():
+            ref = fns["dense"]()
+            for path in ("sparse", "auto"):  # verify first
+                torch.testing.assert_close(fns[path](), ref, atol=1e-4 * (1 + ref.abs().max().item()), rtol=1e-4)
+            picked = ops_interspace._uncached_max_density(x, lam, g, mu, (1, 1), (1, 1), (1, 1), 1)
+            times = interleaved_times(fns, min_run_time=0.3 if quick else 1.5, threads=threads)
+        best = min(times["dense"], times["sparse"])
+        ratio = times["auto"] / best
+        rows.append({"layer": f"{c_in}->{c_out} @{hw}x{hw}", "dense_ms": times["dense"] * 1e3,
+                     "sparse_ms": times["sparse"] * 1e3, "auto_ms": times["auto"] * 1e3,
+                     "auto_takes": "dense" if picked is None else f"kernel (max density {picked:.3f})",
+                     "auto_vs_faster": ratio, "check": "ok" if ratio <= AUTO_TOLERANCE else "SLOW"})
+    ok = all(r["check"] == "ok" for r in rows)
+    rows.append({"layer": f"check: auto within {AUTO_TOLERANCE}x of the faster path on every layer",
+                 "check": "PASS" if ok else "FAIL"})
+    return rows
+
+
 def run(quick: bool = False, threads: int = 2, out=None) -> str:
     torch.set_num_threads(threads)
     env = environment(threads)
@@ -234,6 +280,17 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
               "'network (sum)' adds the per-layer rows; 'network step' times one forward+backward of the chained stack "
               "end to end (mean of 3 alternating medians each).",
     )
+    auto = _auto_path_rows(quick, threads)
+    md_c = write_results(
+        "fb_conv2d_auto_path", auto, env, out_dir=out,
+        notes="(c) The functional op prunopt.ops.fb_conv2d without a cached CSR, VGG16-CIFAR layers at batch 1, "
+              "coefficient sparsity 0.9 (orthonormal basis, no_grad): path='auto' against its own 'dense' "
+              "(reconstruct + conv2d) and 'sparse' (count, CSR build, eq. 8) paths, median ms (5 rounds alternating "
+              "the three). auto_takes: the dense path directly, or the kernel with the max density the uncached "
+              f"cost model passes. Check: auto within {AUTO_TOLERANCE}x of the faster of the two on every layer "
+              "(a benchmark check, not a test: the host's noise is in it).",
+        columns=["layer", "dense_ms", "sparse_ms", "auto_ms", "auto_takes", "auto_vs_faster", "check"],
+    )
     md_b = write_results(
         "fb_conv2d_inference", infer, env, out_dir=out,
         notes="(b) VGG16-CIFAR conv stack (13 FB convs + max-pools) at batch 1, uniform coefficient sparsity p: "
@@ -245,4 +302,4 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
               "Each p is timed twice, the three networks sharing one pool: F.max_pool2d, and the same values by two "
               "pairwise torch.maximum (about 3x faster at batch 1 here), which shows what the convolutions cost.",
     )
-    return md_a + "\n" + md_b
+    return md_a + "\n" + md_b + "\n" + md_c

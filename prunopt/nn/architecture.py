@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.ops import two_temperature_sigmoid
 
 __all__ = [
@@ -74,6 +75,8 @@ class TwoTemperatureMask(nn.Module):
     inference fast path): the masked weight and the layer's bias. The layer's
     own weight is ``layer.weight``.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, layer: nn.Module, t_l: float = 1000.0, t_s: Optional[float] = None, init_scale: float = 1e-2,
                  generator: Optional[torch.Generator] = None):
@@ -142,6 +145,19 @@ class TwoTemperatureMask(nn.Module):
     def bias(self) -> Optional[Tensor]:
         """The wrapped layer's bias (read-only)."""
         return self.layer.bias
+
+    # the wrapped layer's hyper-parameters, for code that reads them from the layer it called
+    # (e.g. transformers' MobileNetV2 computes its TF-style padding from the conv's stride and kernel)
+    _LAYER_ATTRS = frozenset({"in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride",
+                              "padding", "dilation", "groups", "padding_mode", "transposed", "output_padding"})
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in TwoTemperatureMask._LAYER_ATTRS and "layer" in self._modules:
+                return getattr(self._modules["layer"], name)
+            raise
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.masked_weight()

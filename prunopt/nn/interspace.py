@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _reverse_repeat_tuple
 
+from prunopt.nn._jit import script_unsupported
 from prunopt import ops
 from prunopt.ops import interspace as ops_interspace
 from prunopt.nn._swap import swap_modules
@@ -93,6 +94,8 @@ class FilterBasis(nn.Module):
         init: one of ``"standard"``, ``"orthonormal"``, ``"random"``.
         generator: optional ``torch.Generator`` for the random inits.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, kernel_size, size: Optional[int] = None, init: str = "standard", *,
                  generator: Optional[torch.Generator] = None, device=None, dtype=None):
@@ -209,6 +212,8 @@ class FBConv2d(nn.Module):
     the fused kernel, whose autograd is a C++ ``torch::autograd::Function``
     (which functorch rejects), and never takes the sparse eval path.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", basis: Optional[FilterBasis] = None,

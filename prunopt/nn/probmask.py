@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.nn._wrapping import check_not_wrapped
 from prunopt.schedules import _real
 
@@ -113,6 +114,8 @@ class ProbMask(nn.Module):
         tau: initial temperature.
         hard: straight-through hard samples instead of soft ones.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, shape: Sequence[int], init: float = 1.0, tau: float = 1.0, hard: bool = False,
                  dtype: Optional[torch.dtype] = None, device=None):
@@ -197,6 +200,8 @@ class ProbMaskInput(nn.Module):
         shape: the mask shape (the trailing dimensions of the input).
         init, tau, hard: as in :class:`ProbMask`.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, shape: Sequence[int], init: float = 0.5, tau: float = 1.0, hard: bool = True):
         super().__init__()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.nn.sparsification import _safe_pow
 from prunopt.ops import rgf_relu, sparse_gate
 
@@ -154,6 +155,8 @@ class SparseEdges(nn.Module):
     ``|alpha| < mean|alpha|/(n+1)`` start at zero.
     """
 
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
+
     def __init__(self, in_nodes: int, out_nodes: int, bias: bool = False, rgf: bool = True,
                  rgf_alpha: float = 0.1, device=None, dtype=None):
         super().__init__()
@@ -223,6 +226,8 @@ class SparseAdjacency(nn.Module):
     support: entries outside it are 0 (the paper's Baseline I, known road
     connectivity).
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, num_nodes: int, iters: int = 20, rgf: bool = True, rgf_alpha: float = 0.1,
                  mask: Optional[Tensor] = None, device=None, dtype=None):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.nn._swap import swap_modules
 from prunopt.ops import sparse_gate
 
@@ -156,6 +157,8 @@ class SparseGate(nn.Module):
     that dropped components keep learning. Calling the module returns ``a``.
     """
 
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
+
     def __init__(self, num_gates: int, signed: bool = True, rgf: bool = True, rgf_alpha: float = 0.1,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
@@ -241,6 +244,8 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
     code: use :func:`convert_sync_batchnorm`, which turns this layer into a
     :class:`SyncSparseBatchNorm2d`.
     """
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  track_running_stats: bool = True, signed: bool = True, rgf: bool = True, rgf_alpha: float = 0.1,
@@ -617,139 +622,6 @@ def gate_density(model: nn.Module) -> float:
 
 
 # ----------------------------------------------------------------- channel removal
-_PASS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
-         nn.Dropout, nn.Dropout2d, nn.Identity)
-_BN = (nn.BatchNorm2d,)
-
-
-def _set(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, new)
-
-
-def _flatten_keeps_channels(prev: Optional[nn.Module]) -> bool:
-    if isinstance(prev, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
-        o = prev.output_size
-        return o == 1 or tuple(o) == (1, 1) if not isinstance(o, int) else o == 1
-    return False
-
-
-def _plain_conv(m) -> bool:
-    return isinstance(m, nn.Conv2d) and m.groups == 1
-
-
-class _Block:
-    """A residual block recognised by its attribute names (torchvision's
-    BasicBlock/Bottleneck convention): ``conv1, bn1, ..., convK, bnK`` (K >= 2,
-    registered in this order)
-    and a shortcut ``shortcut``/``downsample`` that is the identity (``None``,
-    ``nn.Identity``, an empty ``nn.Sequential``) or a projection
-    ``nn.Sequential(Conv2d, BatchNorm2d)``. Its forward is assumed to be
-    ``relu(bnK(convK(... relu(bn1(conv1(x))))) + shortcut(x))``."""
-
-    def __init__(self, name: str, m: nn.Module):
-        self.name, self.module = name, m
-        k = 1
-        while isinstance(getattr(m, f"conv{k + 1}", None), nn.Module):
-            k += 1
-        self.convs = [(f"{name}.conv{i}", getattr(m, f"conv{i}")) for i in range(1, k + 1)]
-        self.bns = [(f"{name}.bn{i}", getattr(m, f"bn{i}")) for i in range(1, k + 1)]
-        attr = "shortcut" if hasattr(m, "shortcut") else "downsample"
-        sc = getattr(m, attr, None)
-        self.projection = None  # ((conv name, conv), (bn name, bn)) or None for the identity
-        self.known_shortcut = True
-        if sc is None or isinstance(sc, nn.Identity) or (isinstance(sc, nn.Sequential) and len(sc) == 0):
-            pass
-        elif isinstance(sc, nn.Sequential) and len(sc) == 2 and _plain_conv(sc[0]) and isinstance(sc[1], _BN):
-            self.projection = ((f"{name}.{attr}.0", sc[0]), (f"{name}.{attr}.1", sc[1]))
-        else:
-            self.known_shortcut = False
-
-    @staticmethod
-    def matches(m: nn.Module) -> bool:
-        if not (hasattr(m, "shortcut") or hasattr(m, "downsample")):
-            return False
-        k = 1
-        while isinstance(getattr(m, f"conv{k + 1}", None), nn.Module):
-            k += 1
-        if k < 2 or not all(_plain_conv(getattr(m, f"conv{i}", None)) and isinstance(getattr(m, f"bn{i}", None), _BN)
-                            for i in range(1, k + 1)):
-            return False
-        # post-activation order conv1, bn1, conv2, bn2, ... as registered (a pre-activation block
-        # registers bn1 first and is not this pattern)
-        order = {name: i for i, (name, _) in enumerate(m.named_children())}
-        seq = [order.get(f"{kind}{i}", -1) for i in range(1, k + 1) for kind in ("conv", "bn")]
-        return all(a < b for a, b in zip(seq, seq[1:]))
-
-
-def _units(model: nn.Module, prefix: str = "") -> List[tuple]:
-    """Leaf modules in registration order, with residual blocks as one unit."""
-    out = []
-    for name, m in model.named_children():
-        full = f"{prefix}.{name}" if prefix else name
-        if isinstance(m, SparseGate):
-            continue
-        if _Block.matches(m):
-            out.append((full, _Block(full, m)))
-        elif hasattr(m, "shortcut") or hasattr(m, "downsample"):
-            out.append((full, m))  # a residual block of another shape: opaque, its channels are kept
-        elif isinstance(m, SparseBatchNorm2d) or len(list(m.children())) == 0:
-            out.append((full, m))
-        else:
-            out.extend(_units(m, full))
-    return out
-
-
-class _Tensor:
-    """A feature map whose channels may be removed: the (conv, BN) pairs whose
-    outputs add into it (each ``conv -> BN`` possibly followed by zero-preserving
-    modules), and the modules that read it (their input channels)."""
-
-    def __init__(self, producers):
-        self.producers = list(producers)  # [(conv or None, (bn name, bn))]
-        self.consumers: List[nn.Module] = []
-        self.ok = all(c is not None for c, _ in self.producers)
-
-
-def _live_channels(bn: nn.Module) -> Tensor:
-    """Channels a BN can make non-zero: all for a plain BN, ``a != 0`` for a sparse one."""
-    if isinstance(bn, SparseBatchNorm2d):
-        return bn.gate().detach() != 0
-    return torch.ones(bn.num_features, dtype=torch.bool, device=bn.running_mean.device
-                      if bn.running_mean is not None else None)
-
-
-def _shrink(t: _Tensor, keep_of: dict) -> None:
-    """Removes the channels of ``t`` that are zero in every producer."""
-    if not (t.ok and t.consumers):
-        return
-    n = t.producers[0][1][1].num_features
-    if any(bn.num_features != n for _, (_, bn) in t.producers):
-        return
-    live = torch.zeros(n, dtype=torch.bool)
-    for _, (_, bn) in t.producers:
-        live |= _live_channels(bn).cpu()
-    if bool(live.all()):
-        return
-    keep = torch.nonzero(live).flatten()
-    if keep.numel() == 0:
-        keep = torch.zeros(1, dtype=torch.long)  # torch has no 0-channel conv; this channel is 0 everywhere
-    for conv, (bn_name, _) in t.producers:
-        k = keep.to(conv.weight.device)
-        conv.weight = nn.Parameter(conv.weight[k].clone())
-        if conv.bias is not None:
-            conv.bias = nn.Parameter(conv.bias[k].clone())
-        conv.out_channels = k.numel()
-        keep_of[bn_name] = k
-    for c in t.consumers:
-        k = keep.to(c.weight.device)
-        c.weight = nn.Parameter(c.weight[:, k].clone())
-        if isinstance(c, nn.Conv2d):
-            c.in_channels = k.numel()
-        else:
-            c.in_features = k.numel()
-
-
 def _to_plain_bn(m: nn.Module, keep: Optional[Tensor]) -> nn.BatchNorm2d:
     """Inference BatchNorm2d equal to the sparse BN ``m`` (weight a, bias a b), restricted to ``keep``."""
     a = m.gate().detach()
@@ -765,51 +637,42 @@ def _to_plain_bn(m: nn.Module, keep: Optional[Tensor]) -> nn.BatchNorm2d:
     return bn.eval()
 
 
-def _slice_plain_bn(m: nn.BatchNorm2d, keep: Tensor) -> None:
-    k = keep.to(m.running_mean.device if m.running_mean is not None else m.weight.device)
-    if m.running_mean is not None:
-        m.running_mean = m.running_mean[k].clone()
-        m.running_var = m.running_var[k].clone()
-    if m.affine:
-        m.weight = nn.Parameter(m.weight[k].clone())
-        m.bias = nn.Parameter(m.bias[k].clone())
-    m.num_features = k.numel()
-
-
 @torch.no_grad()
-def remove_channels(model: nn.Module, example_input: Optional[Tensor] = None, atol: float = 1e-5) -> nn.Module:
+def remove_channels(model: nn.Module, example_input=None, atol: float = 1e-5) -> nn.Module:
     r"""A physically smaller copy of ``model`` for inference, with every channel
     that a zero sparse-BN gate makes exactly 0 removed (DS eq. 17: :math:`y_c = a_c(\hat x_c + b_c) = 0`).
 
-    The model must run its modules in registration order (``nn.Sequential``
-    style, e.g. :class:`prunopt.train.models.SmallCNN` and
-    :class:`prunopt.train.models.SmallResNet`). Two patterns are handled:
+    The channels are followed through the model's traced graph
+    (:mod:`prunopt.nn.channel_graph`, the dependency graph of Torch-Pruning):
+    ``torch.export`` on ``example_input`` when it is given (any exportable
+    model, e.g. transformers' ResNet and MobileNetV2, which return a
+    ``ModelOutput``), else ``torch.fx.symbolic_trace``. Channels joined by
+    residual additions, products, concatenations, depthwise convolutions,
+    BatchNorm, activations, pooling and flatten are removed together, and a
+    group goes only when every convolution or linear layer that reads it sees
+    an exact zero there: in a residual stream a channel is removed only if it
+    is zero in **every** branch that adds into it. A convolution or linear
+    layer loses the output channels it would write only as zeros (weights and
+    bias zero), its readers the matching input channels; a feature map keeps
+    at least one channel (torch has no 0-channel convolution).
 
-    * chains ``conv -> SparseBN -> (ReLU, pooling, dropout, flatten after global
-      pooling)* -> conv/linear``: the producer conv loses the output channels
-      whose gate is 0, the consumer the matching input channels;
-    * residual blocks (``conv1, bn1, ..., convK, bnK`` registered in this order, plus a ``shortcut`` /
-      ``downsample`` that is the identity or ``Sequential(conv, BN)``, forward
-      ``relu(bnK(convK(...)) + shortcut(x))``). *Internal* channels (the output
-      of ``bn1 .. bn(K-1)``) are removed as in a chain. A channel of the
-      *residual stream* — the tensor carried by identity shortcuts from the
-      stem or a projection to the next projection or the classifier — is
-      removed only if it is zero in **every** path that adds into it: the
-      stem's (or the projection shortcut's) BN and the last BN of every block
-      on that stream. Then every tensor of the stream is 0 in that channel
-      (``relu(0 + 0) = 0``), and all its producers (convs) lose the output
-      channel and all its readers (each block's ``conv1``, the next
-      projection's conv, the classifier) the input channel.
+    Channels stay where removal cannot be proven exact: the model's inputs and
+    outputs, grouped (not depthwise) convolutions, constants combined with the
+    channels. Where an operation the analysis does not know is all that keeps
+    a zero channel, or the model cannot be traced, ``ChannelGraphError`` (a
+    ``RuntimeError``) names the module; a layer that would lose channels while
+    its tensors are parametrized (a ``Masker``'s masks) is one too.
 
     Every SparseBN becomes a plain ``BatchNorm2d`` (eval statistics, weight
-    ``a``, bias ``a b``). Channels are kept wherever removal cannot be proven
-    exact (no producing conv, an unknown module or shortcut, no reader). With
-    ``example_input`` the outputs of the copy are checked against the original
-    (``RuntimeError`` on mismatch), both in eval mode. ``model`` is not
+    ``a``, bias ``a b``). With ``example_input`` (a tensor or a tuple of
+    positional inputs) the outputs of the copy are checked against the
+    original (``RuntimeError`` on mismatch), both in eval mode. ``model`` is not
     changed: every module's own ``training`` flag is restored, also on error.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if example_input is not None and not isinstance(example_input, (Tensor, tuple)):
+        raise TypeError(f"example_input must be a Tensor or a tuple of inputs, got {type(example_input).__name__}")
     modes = [(m, m.training) for m in model.modules()]  # each module's own flag, restored at the end
     model.eval()
     try:
@@ -819,72 +682,35 @@ def remove_channels(model: nn.Module, example_input: Optional[Tensor] = None, at
             m.training = training
 
 
-def _remove_channels(model: nn.Module, example_input: Optional[Tensor], atol: float) -> nn.Module:
+def _remove_channels(model: nn.Module, example_input, atol: float) -> nn.Module:
+    from torch.utils._pytree import tree_leaves
+
+    from prunopt.nn.channel_graph import ChannelGraph, shrink_layers
+
     new = copy.deepcopy(model)
-    keep_of: dict = {}
-    tensors: List[_Tensor] = []
-    cur: Optional[_Tensor] = None  # the feature map flowing along the sequence
-    prev = None  # previous unit
-
-    def close(ok: bool = True):
-        nonlocal cur
-        if cur is not None:
-            cur.ok = cur.ok and ok
-            tensors.append(cur)
-        cur = None
-
-    for name, u in _units(new):
-        if isinstance(u, _Block):
-            for (cn, c), bnp, nxt in zip(u.convs, u.bns, u.convs[1:]):  # internal channels
-                t = _Tensor([(c, bnp)])
-                t.consumers.append(nxt[1])
-                tensors.append(t)
-            last = (u.convs[-1][1], u.bns[-1])
-            if not u.known_shortcut:
-                close(False)
-                cur = _Tensor([last])
-                cur.ok = False
-            elif u.projection is None:
-                if cur is None:
-                    cur = _Tensor([])
-                    cur.ok = False
-                cur.consumers.append(u.convs[0][1])
-                cur.producers.append(last)
-            else:
-                if cur is not None:
-                    cur.consumers += [u.convs[0][1], u.projection[0][1]]
-                close()
-                cur = _Tensor([(u.projection[0][1], u.projection[1]), last])
-        elif isinstance(u, _BN):
-            close(False)  # a BN right after a BN (or after an unknown module) is not a chain we know
-            cur = _Tensor([(prev if _plain_conv(prev) else None, (name, u))])
-        elif isinstance(u, _PASS) or (isinstance(u, nn.Flatten) and _flatten_keeps_channels(prev)):
-            pass
-        elif _plain_conv(u) or isinstance(u, nn.Linear):
-            if cur is not None:
-                cur.consumers.append(u)
-            close()
-        else:
-            close(False)
-        prev = u
-    close(False)  # the model's output: nothing reads it
-    for t in tensors:
-        _shrink(t, keep_of)
-    for name, m in list(new.named_modules()):
+    bns = shrink_layers(ChannelGraph(new, example_input))
+    plain: Dict[int, nn.Module] = {}
+    for m, keep in bns.values():
         if isinstance(m, SparseBatchNorm2d):
-            _set(new, name, _to_plain_bn(m, keep_of.get(name)))
-        elif isinstance(m, _BN) and name in keep_of:
-            _slice_plain_bn(m, keep_of[name])
+            plain[id(m)] = _to_plain_bn(m, keep)
+    for m in new.modules():
+        if isinstance(m, SparseBatchNorm2d) and id(m) not in plain:
+            plain[id(m)] = _to_plain_bn(m, None)
+    new = swap_modules(new, plain)
     new.eval()
     if example_input is not None:
-        ref = model(example_input)
+        args = example_input if isinstance(example_input, tuple) else (example_input,)
+        ref = tree_leaves(model(*args))
         try:
-            out = new(example_input)
+            out = tree_leaves(new(*args))
         except RuntimeError as e:
-            raise RuntimeError("remove_channels: the exported model does not run on example_input "
-                               f"({e}); is the model's forward a sequential pass over its modules?") from e
-        if ref.shape != out.shape or not torch.allclose(ref, out, atol=atol, rtol=1e-5):
-            raise RuntimeError("remove_channels: the exported model does not reproduce the original outputs "
-                               f"(max diff {(ref - out).abs().max().item() if ref.shape == out.shape else 'shape'}); "
-                               "is the model's forward a sequential pass over its modules?")
+            raise RuntimeError(f"remove_channels: the exported model does not run on example_input ({e})") from e
+        for r, o in zip(ref, out):
+            if isinstance(r, Tensor) and (not isinstance(o, Tensor) or r.shape != o.shape or
+                                          not torch.allclose(r, o, atol=atol, rtol=1e-5)):
+                diff = (r - o).abs().max().item() if isinstance(o, Tensor) and r.shape == o.shape else "shape"
+                raise RuntimeError("remove_channels: the exported model does not reproduce the original outputs "
+                                   f"(max diff {diff})")
+        if len(ref) != len(out):
+            raise RuntimeError("remove_channels: the exported model returns another number of outputs")
     return new

@@ -69,29 +69,51 @@ __all__ = ["fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compres
 #   as fast per multiply-add there and keeps its speed on small images, so the
 #   AVX2 set chose the sparse path for the 2x2 layers at density 0.5 (0.99 ms
 #   against conv2d's 0.37 ms).
+#
+# Without a cached CSR (the functional op; FBConv2d's eval path caches it) both
+# paths also pay for work on every coefficient, W N / K = C_out C_in/g N
+# entries: the dense path reconstructs the filters (eq. 4, a pass that reads
+# lam and mu and writes h: "reconstruct" per coefficient), the sparse path
+# counts the non-zeros of lam * mu ("csr_count" per coefficient, paid by every
+# call of the kernel, which counts before it chooses) and writes their CSR
+# ("csr_build" per coefficient and "csr_per_nnz" per stored entry). These are
+# memory passes, not multiply-adds: on a batch-1 layer with small images they
+# dominate (512->512 at 4x4: counting and building the CSR took two to three
+# times the whole dense path), so they are set on the safe side of what was
+# measured on a shared Xeon host (the count and build of a 2.4M-coefficient
+# layer ~1.4 + 7.5 d reconstructions, d the density; taken as 3.5 + 20 d). The
+# AVX2 set takes the same passes at half the units (its conv2d does half the
+# multiply-adds per second); not fitted on an AVX2 host.
 COST_CONSTANTS = {
     "default": dict(per_mac=2.2, per_nnz=29.0, maps_per_mac=0.36, fixed=1.5e6, dense_small_image=160.0,
-                    dense_fixed=0.0),
+                    dense_fixed=0.0, reconstruct=12.0, csr_count=6.0, csr_build=37.0, csr_per_nnz=250.0),
     # tools/fit_fb_cost_model.py on the Xeon host (refitted after the used-map and
     # mix changes; 14 layer shapes, densities 0.01-0.7): the faster path in 76 of 84 cases (misses
     # up to 1.22x, near density 0.3 and on the 3->64 layer); the previous fit picked it in 68 of 84
     # after those changes (misses up to 3.4x: the sparse path had become faster than it predicts)
     "AVX512": dict(per_mac=2.12, per_nnz=38.4, maps_per_mac=1.48, fixed=1.44e6, dense_small_image=60.0,
-                   dense_fixed=7.17e5),
+                   dense_fixed=7.17e5, reconstruct=25.0, csr_count=12.0, csr_build=75.0, csr_per_nnz=500.0),
 }
+# a kernel call counts before it chooses: when that count would cost more than this share of the
+# dense path, path="auto" first estimates the density from a sample of the mask
+_COUNT_SHARE = 0.02
+_SAMPLE = 1024
 
 
 def cost_constants(capability: Optional[str] = None) -> dict:
     """The constants of the path cost model for ``capability`` (default: this
     CPU's, ``torch.backends.cpu.get_cpu_capability()``): the ``AVX512`` set
     there, the ``default`` (AVX2) set everywhere else. In units of one dense
-    multiply-add, with ``W = C_out C_in/g K``, ``P`` output positions and
-    ``P_img = Ho Wo``, the dense path (reconstruct, eq. 4, then conv2d, eq. 6)
-    costs ``W (P + dense_small_image / P_img) + dense_fixed`` and the sparse
-    path (eq. 8 / Alg. 1: basis maps, then the CSR mix) costs
+    multiply-add, with ``W = C_out C_in/g K``, ``P`` output positions,
+    ``P_img = Ho Wo`` and ``E = C_out C_in/g N`` coefficients, the dense path
+    (conv2d, eq. 6, with the filters of eq. 4) costs
+    ``W (P + dense_small_image / P_img) + dense_fixed`` and the sparse path
+    (eq. 8 / Alg. 1: basis maps, then the CSR mix) costs
     ``per_mac nnz P + per_nnz nnz + maps_per_mac C_in N K P + fixed``
-    (App. D counts the same multiply-adds). The returned dict is the module's
-    own: copy it before changing it."""
+    (App. D counts the same multiply-adds). When nothing is cached the dense
+    path adds ``reconstruct E`` (eq. 4) and the sparse path
+    ``(csr_count + csr_build) E + csr_per_nnz nnz`` (the CSR of ``lam * mu``).
+    The returned dict is the module's own: copy it before changing it."""
     if capability is None:
         capability = _cpu_capability()
     return COST_CONSTANTS.get(capability, COST_CONSTANTS["default"])
@@ -106,34 +128,84 @@ def _cpu_capability() -> str:
 
 
 def _costs(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int, image_positions: int,
-           consts: Optional[dict] = None):
+           consts: Optional[dict] = None, csr_cached: bool = True):
+    """``(dense, per_nnz, fixed)``: the dense path's cost and the sparse path's
+    ``nnz * per_nnz + fixed``; without a cache both include their passes over
+    the coefficients (the reconstruction; the CSR count and build)."""
     c = consts if consts is not None else cost_constants()
     dense = c_out * c_in_g * k * (positions + c["dense_small_image"] / max(1, image_positions)) + c["dense_fixed"]
     per_nnz = c["per_mac"] * positions + c["per_nnz"]
     fixed = c["maps_per_mac"] * c_in * n * k * positions + c["fixed"]
+    if not csr_cached:
+        coefficients = c_out * c_in_g * n
+        dense += c.get("reconstruct", 0.0) * coefficients
+        per_nnz += c.get("csr_per_nnz", 0.0)
+        fixed += (c.get("csr_count", 0.0) + c.get("csr_build", 0.0)) * coefficients
     return dense, per_nnz, fixed
 
 
 def sparse_is_faster(nnz: int, c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
-                     image_positions: Optional[int] = None, *, constants: Optional[dict] = None) -> bool:
+                     image_positions: Optional[int] = None, *, constants: Optional[dict] = None,
+                     csr_cached: bool = True) -> bool:
     """The cost model of ``path="auto"``: True when eq. 8 over ``nnz`` stored
-    coefficients is predicted to beat reconstruct + ``conv2d`` for ``positions``
-    output positions (batch x Ho x Wo; ``image_positions`` = Ho x Wo, default
-    ``positions``). ``constants``: a set like :func:`cost_constants`'s (default: this CPU's)."""
-    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions, constants)
+    coefficients is predicted to beat ``conv2d`` with the filters of eq. 4 for
+    ``positions`` output positions (batch x Ho x Wo; ``image_positions`` = Ho x
+    Wo, default ``positions``). ``csr_cached=True`` (the default) compares the
+    two paths on cached data (the CSR of ``lam * mu`` and the reconstructed
+    filters, as ``FBConv2d`` in ``eval()`` holds them); ``csr_cached=False``
+    adds what a call without a cache pays: the CSR's count and build on the
+    sparse side, the reconstruction on the dense side (what
+    :func:`fb_conv2d` faces). ``constants``: a set like
+    :func:`cost_constants`'s (default: this CPU's)."""
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions, constants,
+                                   csr_cached)
     return nnz * per_nnz + fixed < dense
 
 
 def auto_max_density(c_out: int, c_in: int, c_in_g: int, n: int, k: int, positions: int,
-                     image_positions: Optional[int] = None) -> float:
+                     image_positions: Optional[int] = None, *, constants: Optional[dict] = None,
+                     csr_cached: bool = True) -> float:
     """The largest density ``nnz / (C_out C_in/g N)`` for which
-    :func:`sparse_is_faster` holds: the ``max_density`` that ``path="auto"``
-    passes to the kernel (negative when the sparse path never wins)."""
+    :func:`sparse_is_faster` (with the same ``csr_cached``) holds; negative
+    when the sparse path never wins. :func:`fb_conv2d` with ``path="auto"``
+    passes it, with ``csr_cached=False``, to the kernel as ``max_density``."""
     total = c_out * c_in_g * n
     if total == 0:
         return 1.0
-    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions)
+    dense, per_nnz, fixed = _costs(c_out, c_in, c_in_g, n, k, positions, image_positions or positions, constants,
+                                   csr_cached)
     return (dense - fixed) / per_nnz / total
+
+
+def _count_is_costly(c_out: int, c_in_g: int, n: int, dense: float, constants: Optional[dict] = None) -> bool:
+    """Whether the kernel's count of the non-zeros (paid before it chooses a
+    path) would cost more than ``_COUNT_SHARE`` of the dense path."""
+    c = constants if constants is not None else cost_constants()
+    return c.get("csr_count", 0.0) * c_out * c_in_g * n > _COUNT_SHARE * dense
+
+
+_SAMPLE_INDEX: "dict" = {}
+
+
+def _sampled_density(coefficients: Tensor, mask: Optional[Tensor]) -> float:
+    """The density of the mask (of the coefficients without one) estimated from
+    ``_SAMPLE`` fixed pseudo-random entries (standard error below 0.016):
+    enough to tell a density far above the sparse path's threshold from one
+    near it, at the cost of a small gather (the mask's density bounds that of
+    ``lam * mu`` from above)."""
+    t = coefficients if mask is None else mask
+    numel = t.numel()
+    if numel <= _SAMPLE:
+        return int(torch.count_nonzero(t)) / max(1, numel)
+    key = (numel, t.device)
+    idx = _SAMPLE_INDEX.get(key)
+    if idx is None:
+        g = torch.Generator().manual_seed(numel)
+        idx = torch.randint(0, numel, (_SAMPLE,), generator=g).to(t.device)
+        if len(_SAMPLE_INDEX) > 64:
+            _SAMPLE_INDEX.clear()
+        _SAMPLE_INDEX[key] = idx
+    return int(torch.count_nonzero(torch.take(t, idx))) / _SAMPLE
 
 
 # meta tensors take the reference path here (it computes their shapes)
@@ -274,11 +346,27 @@ def fb_conv2d(
             calls ``conv2d`` (the training path); ``"sparse"`` computes eq. 8
             over the non-zero coefficients only (im2col, a K²×N transform per
             input channel, a CSR × dense product); ``"auto"`` (default) takes
-            the dense path when a gradient is needed and otherwise lets the
-            kernel choose sparse when the mask density is at most
-            :func:`auto_max_density` of the layer and input (the cost model
-            :func:`sparse_is_faster`). All paths agree to rounding and are
-            differentiable (eq. 7, A.12-A.14).
+            the dense path when a gradient is needed and otherwise the path
+            the cost model :func:`sparse_is_faster` predicts to be faster
+            *for this call*, which has no cached CSR: the sparse path must
+            count the non-zeros and build their CSR first
+            (``csr_cached=False``), which on small images costs more than the
+            whole dense path, so there it is never taken. Where it may win,
+            the kernel counts and takes it when the density is at most
+            :func:`auto_max_density`; where that count alone is not
+            negligible, a sample of the mask (of the coefficients without
+            one) first rules out densities far above the threshold. All paths agree to rounding
+            and are differentiable (eq. 7, A.12-A.14).
+
+    **Reusing the CSR.** A module that calls the op repeatedly with the same
+    masked coefficients (inference) should build the CSR once and keep it, as
+    ``FBConv2d`` does in ``eval()``::
+
+        comp = fb_compress(coefficients, mask)           # once, after the last change of lam or mu
+        y = fb_conv2d_compressed(x, comp, basis, bias, stride, padding, dilation, groups)
+
+    and choose between that and ``conv2d`` with cached filters with
+    ``sparse_is_faster(comp.values.numel(), ...)`` (``csr_cached=True``).
 
     Under ``torch.autocast`` the input may have the autocast dtype: ``"auto"``
     then takes the dense path, whose ``conv2d`` runs in the autocast dtype as
@@ -309,17 +397,45 @@ def fb_conv2d(
     if path == "sparse":
         max_density = 1.0
     else:
-        ho, wo = fb_conv_out_shape(input if input.dim() == 4 else input.unsqueeze(0), 1, basis, stride, padding,
-                                   dilation)[2:]
-        batch = input.shape[0] if input.dim() == 4 else 1
-        max_density = auto_max_density(coefficients.shape[0], coefficients.shape[1] * groups, coefficients.shape[1],
-                                       basis.shape[0], basis.shape[1] * basis.shape[2], batch * ho * wo, ho * wo)
+        max_density = _uncached_max_density(input, coefficients, basis, mask, stride, padding, dilation, groups)
+        if max_density is None:  # the dense path: no count, no CSR
+            return F.conv2d(input, fb_reconstruct(coefficients, basis, mask), bias, stride, padding, dilation, groups)
     if input.device.type in _CONV_DEVICES:
         batched = input.dim() == 4
         x = input if batched else input.unsqueeze(0)
         y = torch.ops.prunopt.fb_conv2d(x, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density)
         return y if batched else y.squeeze(0)
     return fb_conv2d_sparse_reference(input, coefficients, basis, mask, bias, stride, padding, dilation, groups)
+
+
+def _uncached_max_density(input, coefficients, basis, mask, stride, padding, dilation, groups) -> Optional[float]:
+    """``max_density`` for the kernel under ``path="auto"`` (no cached CSR), or
+    ``None`` when the dense path is predicted faster whatever the kernel's
+    count would find, or (when that count is not negligible) at the density a
+    sample of the mask shows."""
+    kh, kw = basis.shape[1], basis.shape[2]
+    ho = (input.shape[-2] + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (input.shape[-1] + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    batch = input.shape[0] if input.dim() == 4 else 1
+    c_out, c_in_g, n = coefficients.shape
+    max_density, costly = _auto_plan((c_out, c_in_g * groups, c_in_g, n, kh * kw, batch * ho * wo, ho * wo),
+                                     _cpu_capability())
+    if max_density < 0:
+        return None
+    if costly and coefficients.device.type != "meta" and _sampled_density(coefficients, mask) > max_density:
+        return None
+    return max_density
+
+
+@functools.lru_cache(maxsize=1024)
+def _auto_plan(dims: tuple, capability: str):
+    """``(max_density, count_is_costly)`` of a layer and input shape without a
+    cached CSR (cached per shape: the cost model is pure arithmetic, but a
+    call of the op on a small layer takes only tens of microseconds)."""
+    consts = cost_constants(capability)
+    max_density = auto_max_density(*dims, constants=consts, csr_cached=False)
+    dense = _costs(*dims, consts, csr_cached=False)[0]
+    return max_density, max_density < 1 and _count_is_costly(dims[0], dims[2], dims[3], dense, consts)
 
 
 class FBCompressed(NamedTuple):
@@ -335,7 +451,12 @@ class FBCompressed(NamedTuple):
 def fb_compress(coefficients: Tensor, mask: Optional[Tensor] = None) -> FBCompressed:
     """CSR of the masked coefficients ``lam * mu`` (zeros dropped), for
     :func:`fb_conv2d_compressed`. Not differentiable (an inference cache).
-    Needs the values: not available for tensors on the ``meta`` device."""
+    Needs the values: not available for tensors on the ``meta`` device.
+
+    Building it is a pass over every coefficient (the part of the sparse path
+    that does not depend on the input): call it once and keep the result for
+    as long as ``lam`` and ``mu`` do not change, as ``FBConv2d`` does in
+    ``eval()``; :func:`fb_conv2d` without a cache builds it on every call."""
     if not isinstance(coefficients, Tensor):
         raise TypeError(f"coefficients must be a Tensor, got {type(coefficients).__name__}")
     if coefficients.dim() != 3:
@@ -367,7 +488,21 @@ def fb_conv2d_compressed(
     groups: int = 1,
 ) -> Tensor:
     """Eq. 8 with coefficients already compressed by :func:`fb_compress` (the
-    inference cache of ``FBConv2d``). Same result as :func:`fb_conv2d`."""
+    inference cache of ``FBConv2d``). Same result as :func:`fb_conv2d`.
+
+    The way to run the sparse path in one's own module without rebuilding the
+    CSR on every call::
+
+        class MyFBConv(nn.Module):
+            def forward(self, x):
+                if self.training or torch.is_grad_enabled():
+                    return fb_conv2d(x, self.lam, self.basis, self.mu, padding=1)
+                if self._csr is None:                         # drop it whenever lam or mu change
+                    self._csr = fb_compress(self.lam.detach(), self.mu)
+                return fb_conv2d_compressed(x, self._csr, self.basis, padding=1)
+
+    Differentiable in ``input``, the stored values and ``basis`` (the CSR's
+    structure is fixed)."""
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
     if not isinstance(compressed, FBCompressed):

@@ -3,7 +3,15 @@ interspace weights."""
 __all__ = []
 
 # --- pruning toolkit: masks, scores, selection, methods, storage ---
-from prunopt.pruning.masks import Masker, PrunableTensor, WeightMask, is_fb_conv, prunable_tensors, remove_masks  # noqa: E402
+from prunopt.pruning.masks import (  # noqa: E402
+    Masker,
+    PrunableTensor,
+    WeightMask,
+    is_fb_conv,
+    is_hf_conv1d,
+    prunable_tensors,
+    remove_masks,
+)
 from prunopt.pruning.selection import (  # noqa: E402
     check_sparsity,
     erk_counts,
@@ -44,7 +52,7 @@ from prunopt.pruning.storage import (  # noqa: E402
 )
 
 __all__ += [
-    "Masker", "PrunableTensor", "WeightMask", "is_fb_conv", "prunable_tensors", "remove_masks",
+    "Masker", "PrunableTensor", "WeightMask", "is_fb_conv", "is_hf_conv1d", "prunable_tensors", "remove_masks",
     "check_sparsity", "erk_counts", "erk_densities", "global_masks", "kept_count", "layerwise_masks",
     "SCORES", "grasp_scores", "magnitude_scores", "random_scores", "snip_scores", "synflow_scores",
     "DynamicSparseTraining", "FineTuning", "GradualMagnitudePruning", "LotteryTicket", "PruningAtInit",
@@ -58,3 +66,9 @@ __all__ += [
 from prunopt.pruning.magnitude import magnitude_masks, magnitude_prune_, rho_omega, sparsity  # noqa: E402
 
 __all__ += ["magnitude_masks", "magnitude_prune_", "rho_omega", "sparsity"]
+
+
+# --- migration from / to torch.nn.utils.prune and torch.ao.pruning ---
+from prunopt.pruning.migration import from_ao_sparsifier, from_torch_prune, to_torch_prune  # noqa: E402
+
+__all__ += ["from_ao_sparsifier", "from_torch_prune", "to_torch_prune"]

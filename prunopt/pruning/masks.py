@@ -4,8 +4,8 @@ coefficients (``FBConv2d``) alike, kept consistent with the optimizer state.
 A *prunable tensor* is a (module, parameter) pair named by its fully-qualified
 name (FQN), e.g. ``"features.0.weight"`` or ``"features.3.coefficients"``:
 
-* ``nn.Conv2d`` / ``nn.Linear``: the ``weight``.  The mask is installed as a
-  ``torch.nn.utils.parametrize`` parametrization :class:`WeightMask`, so the
+* ``nn.Conv2d`` / ``nn.Linear`` / transformers' ``Conv1D`` (GPT-2): the
+  ``weight``.  The mask is installed as a ``torch.nn.utils.parametrize`` parametrization :class:`WeightMask`, so the
   module computes with ``weight = original * mask`` (the convention of
   ``torch.ao.pruning``); the state dict holds
   ``<module>.parametrizations.weight.original`` and
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -39,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from prunopt.nn._jit import script_unsupported
 from prunopt.pruning import _dist
 
 __all__ = [
@@ -46,9 +48,20 @@ __all__ = [
     "PrunableTensor",
     "prunable_tensors",
     "is_fb_conv",
+    "is_hf_conv1d",
     "Masker",
     "remove_masks",
 ]
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """True for ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layers,
+    ``y = x @ weight + bias`` with ``weight`` of shape ``(in, out)``): its
+    ``weight`` is prunable like an ``nn.Linear``'s. transformers is not
+    imported for this (a model holding a Conv1D has imported it)."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(mod, "Conv1D", None) if mod is not None else None
+    return conv1d is not None and isinstance(module, conv1d)
 
 
 def is_fb_conv(module: nn.Module) -> bool:
@@ -68,6 +81,8 @@ class WeightMask(nn.Module):
     The product masks the gradient, ``dL/dw = mu * dL/d(w * mu)``, so pruned
     entries receive a zero gradient.  The product has the weight's dtype
     (FSDP2's mixed precision casts the weight, not the buffer)."""
+
+    __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
 
     def __init__(self, mask: Tensor):
         super().__init__()
@@ -154,7 +169,8 @@ def prunable_tensors(
 ) -> "OrderedDict[str, PrunableTensor]":
     """The prunable tensors of ``model`` in module order, keyed by tensor FQN.
 
-    ``Conv2d``/``Linear`` contribute ``weight``; ``FBConv2d`` contributes
+    ``Conv2d``/``Linear`` (and transformers' ``Conv1D``, :func:`is_hf_conv1d`)
+    contribute ``weight``; ``FBConv2d`` contributes
     ``coefficients`` (its basis is not prunable; the FB layer's submodules are
     not visited).  ``include``/``exclude`` take module or tensor FQNs; a name
     that matches nothing raises ``ValueError`` naming it."""
@@ -168,7 +184,7 @@ def prunable_tensors(
         if is_fb_conv(m):
             found[_join(mname, "coefficients")] = PrunableTensor(_join(mname, "coefficients"), mname, m, "coefficients")
             skip_prefixes.append(mname + "." if mname else "")
-        elif isinstance(m, (nn.Conv2d, nn.Linear)):
+        elif isinstance(m, (nn.Conv2d, nn.Linear)) or is_hf_conv1d(m):
             found[_join(mname, "weight")] = PrunableTensor(_join(mname, "weight"), mname, m, "weight")
     for argname, names in (("include", include), ("exclude", exclude)):
         if names is None:

@@ -11,9 +11,10 @@ magnitude, SynFlow).  No ``.grad`` field, mode flag or buffer of the model is
 changed by a score function: BatchNorm running statistics updated by the
 train-mode passes of SNIP/GraSP are restored afterwards.  The gradient-based
 scores (SNIP, GraSP, SynFlow) enable autograd for their own passes, so they
-also work when called under ``torch.no_grad()``.  Tied layers (one Parameter
-held by several layers) are one tensor, scored under its first name, as in
-:class:`~prunopt.pruning.Masker`.
+also work when called under ``torch.no_grad()``.  A model may return its logits
+or a mapping holding them under ``"logits"`` (transformers' ``ModelOutput``).
+Tied layers (one Parameter held by several layers) are one tensor, scored under
+its first name, as in :class:`~prunopt.pruning.Masker`.
 
 **Distributed.**  Under DDP every rank passes its own batches (the same
 number on every rank) to the unwrapped model or the masker: the gradients
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -120,15 +121,26 @@ def magnitude_scores(target: Target) -> "OrderedDict[str, Tensor]":
         return OrderedDict((n, pt.effective().detach().abs()) for n, pt in tensors.items())
 
 
+def _logits(out) -> Tensor:
+    """The model's output tensor: the output itself, or the ``logits`` of a
+    mapping such as transformers' ``ModelOutput``."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), Tensor):
+        return out["logits"]
+    raise TypeError(f"the model returned a {type(out).__name__}; the scores need a tensor of logits (or a mapping "
+                    "with a 'logits' tensor, e.g. transformers' ModelOutput): wrap the model so that it returns one")
+
+
 def _mean_grads(model, params, batches, loss_fn, temperature=1.0, group=None):
     """Mean gradient over the batches (and, under DDP, over the ranks of
     ``group``; under FSDP2 ``backward()`` averages over the ranks)."""
     acc = [torch.zeros_like(p) for p in params]
     for x, y in batches:
         if _sharded(params):
-            gs = _backward_gradients(model, params, lambda: loss_fn(model(x) / temperature, y))
+            gs = _backward_gradients(model, params, lambda: loss_fn(_logits(model(x)) / temperature, y))
         else:
-            loss = loss_fn(model(x) / temperature, y)
+            loss = loss_fn(_logits(model(x)) / temperature, y)
             gs = torch.autograd.grad(loss, params, allow_unused=True)
         for a, g in zip(acc, gs):
             if g is not None:
@@ -189,12 +201,20 @@ def grasp_scores(
         g_fixed = _mean_grads(model, params, batches, loss_fn, temperature, group)  # first backward: g_v
         hg = [torch.zeros_like(p) for p in params]
         for x, y in batches:
-            loss = loss_fn(model(x) / temperature, y)
+            loss = loss_fn(_logits(model(x)) / temperature, y)
             gs = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)  # second
             z = sum((g * v).sum() for g, v in zip(gs, g_fixed) if g is not None)
             if not isinstance(z, Tensor) or not z.requires_grad:
                 continue
-            hvs = torch.autograd.grad(z, params, allow_unused=True)  # third: H g_v (A.80)
+            try:
+                hvs = torch.autograd.grad(z, params, allow_unused=True)  # third: H g_v (A.80)
+            except RuntimeError as e:
+                if "derivative for" not in str(e):
+                    raise
+                raise RuntimeError(
+                    "grasp_scores needs second derivatives (the Hessian-vector product of A.78-A.80), but an "
+                    f"operation of the model has no double backward ({e}). For transformers models pick an "
+                    "attention implementation that has one: model.set_attn_implementation('eager')") from e
             for a, h in zip(hg, hvs):
                 if h is not None:
                     a.add_(h.detach())
@@ -233,9 +253,9 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
                     t.abs_()
             with torch.enable_grad():
                 if _sharded(params):  # FSDP2: backward() (every rank computes the same R; averaged)
-                    grads = _backward_gradients(model, params, lambda: model(ones).sum())
+                    grads = _backward_gradients(model, params, lambda: _logits(model(ones)).sum())
                 else:
-                    grads = torch.autograd.grad(model(ones).sum(), params, allow_unused=True)
+                    grads = torch.autograd.grad(_logits(model(ones)).sum(), params, allow_unused=True)
             with torch.no_grad():
                 out = OrderedDict(
                     (n, torch.zeros_like(pt.parameter) if g is None else (g * pt.effective()).detach())
