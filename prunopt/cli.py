@@ -2,7 +2,7 @@
 
     prunopt train --method probmask --density 0.1 [--epochs N] [--out DIR]
     prunopt repro NAME [--out DIR] [--quick]
-    prunopt bench [--quick] [--only NAME]
+    prunopt bench [--quick] [--only NAME] [--out DIR]
     prunopt compare --method snip [--sparsities 0.5,0.8,0.9] [--out DIR]
 """
 from __future__ import annotations
@@ -61,11 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sharing", choices=["fine", "coarse"], default="fine")
     c.add_argument("--no-progress", dest="progress", action="store_false")
 
-    b = sub.add_parser("bench", help="run the microbenchmark suite (writes bench/results/)")
+    b = sub.add_parser("bench", help="run the microbenchmark suite (writes a new ./prunopt-bench-<time>/ by default)")
     b.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    b.add_argument("--only", action="append", default=None, help="run only this benchmark (repeatable)")
+    b.add_argument("--only", action="append", default=None, metavar="NAME",
+                   help="run only this benchmark (repeatable; names: see --list)")
+    b.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     b.add_argument("--threads", type=positive_int_arg("--threads"), default=2)
-    b.add_argument("--out", default=None, help="results folder (default bench/results)")
+    b.add_argument("--max-time", type=positive_float_arg("--max-time"), default=None, metavar="S",
+                   help="cap every timing loop at S seconds (smoke runs; the figures get noisier)")
+    b.add_argument("--out", default=None,
+                   help="results folder (default: a new ./prunopt-bench-<time>; the committed results are "
+                        "bench/results of a source checkout)")
     p.subparsers = {"train": t, "repro": r, "compare": c, "bench": b}  # for check_arguments' usage errors
     return p
 
@@ -131,7 +137,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":
         from prunopt.bench import run as bench_run
 
-        return bench_run.main(quick=args.quick, only=args.only, threads=args.threads, out=args.out)
+        try:
+            return bench_run.main(quick=args.quick, only=args.only, threads=args.threads, out=args.out,
+                                  max_time=args.max_time, list_only=args.list)
+        except ValueError as e:
+            parser.subparsers["bench"].error(str(e))
     return 2
 
 
