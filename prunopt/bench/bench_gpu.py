@@ -1,4 +1,6 @@
-"""CUDA side of the prunAdag and filter-basis convolution benchmarks (run where a GPU is lent):
+"""CUDA benchmarks of prunAdag and the filter-basis convolution (run where a
+GPU is lent; without CUDA, :func:`run` raises ``BenchmarkSkipped`` and the
+runner goes on):
 
 * prunAdag: fused PrunAdag step (version 3, relevant=0.1, global scope) against
   ``torch.optim.Adagrad(foreach=True)`` (torch has no fused Adagrad on CUDA) and
@@ -10,7 +12,9 @@
 
 Every contender is checked against the others first. Medians of
 ``torch.utils.benchmark`` (which synchronises CUDA). Writes ``gpu.json`` and
-``gpu.md``. Run: ``PYTHONPATH=. python -m bench.bench_gpu [--out DIR]``.
+``gpu.md``. Run: ``prunopt bench --only gpu [--quick] [--out DIR]`` or
+``python -m prunopt.bench.bench_gpu [--quick] [--out DIR]``. ``--quick``: 1M
+parameters instead of 10M and the first four layer shapes.
 """
 from __future__ import annotations
 
@@ -22,15 +26,15 @@ from torch import nn
 
 from prunopt.bench.bench_interspace import VGG16_CIFAR
 from prunopt.bench.bench_prunadag import _sizes
-from prunopt.bench.common import environment, median_time, write_results
+from prunopt.bench.common import BenchmarkSkipped, environment, median_time, write_results
 
 
-def _prunadag_rows():
+def _prunadag_rows(total: int = 10_000_000, min_time: float = 1.0):
     from prunopt.optim import PrunAdag
 
     rows = []
     for label, count in (("1 tensor", 1), ("50 tensors", 50)):
-        sizes = _sizes(10_000_000, count)
+        sizes = _sizes(total, count)
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def params():
@@ -61,17 +65,17 @@ def _prunadag_rows():
         # the strongest CUDA peer is the foreach (multi-tensor-apply) path
         adagrad = torch.optim.Adagrad(ps_a, lr=0.1, foreach=True)
         grads = [p.grad for p in base]
-        k = max(1, 10_000_000 // 10)
+        k = max(1, total // 10)
         flat = torch.cat([x.abs() for x in grads])
         assert torch.equal(torch.ops.prunopt.topk_threshold(grads, k), torch.kthvalue(flat, flat.numel() - k + 1).values)
         t = {
-            "Adagrad(foreach=True)": median_time(adagrad.step, 1.0, device="cuda"),
-            "PrunAdag fused": median_time(fused.step, 1.0, device="cuda"),
-            "PrunAdag foreach": median_time(fe.step, 1.0, device="cuda"),
-            "PrunAdag single-tensor": median_time(single.step, 1.0, device="cuda"),
-            "topk_threshold": median_time(lambda: torch.ops.prunopt.topk_threshold(grads, k), 1.0, device="cuda"),
+            "Adagrad(foreach=True)": median_time(adagrad.step, min_time, device="cuda"),
+            "PrunAdag fused": median_time(fused.step, min_time, device="cuda"),
+            "PrunAdag foreach": median_time(fe.step, min_time, device="cuda"),
+            "PrunAdag single-tensor": median_time(single.step, min_time, device="cuda"),
+            "topk_threshold": median_time(lambda: torch.ops.prunopt.topk_threshold(grads, k), min_time, device="cuda"),
             "torch.kthvalue(cat)": median_time(
-                lambda: torch.kthvalue(torch.cat([x.abs() for x in grads]), flat.numel() - k + 1), 1.0, device="cuda"),
+                lambda: torch.kthvalue(torch.cat([x.abs() for x in grads]), flat.numel() - k + 1), min_time, device="cuda"),
         }
         for name, v in t.items():
             rows.append({"case": f"prunadag {label}", "contender": name, "median_ms": v * 1e3,
@@ -79,11 +83,11 @@ def _prunadag_rows():
     return rows
 
 
-def _fb_rows():
+def _fb_rows(shapes=None, min_time: float = 0.5):
     from prunopt.nn import FBConv2d, FilterBasis
 
     rows = []
-    for c_in, c_out, hw in sorted(set(VGG16_CIFAR), key=VGG16_CIFAR.index):
+    for c_in, c_out, hw in shapes or sorted(set(VGG16_CIFAR), key=VGG16_CIFAR.index):
         torch.manual_seed(0)
         conv = nn.Conv2d(c_in, c_out, 3, padding=1)
         fb = FBConv2d.from_conv2d(conv, FilterBasis(3, init="orthonormal"))
@@ -96,11 +100,11 @@ def _fb_rows():
             y = m(x)
             y.backward(torch.ones_like(y))
 
-        t_conv = median_time(lambda: step(conv), 0.5, device="cuda")
-        t_fb = median_time(lambda: step(fb), 0.5, device="cuda")
+        t_conv = median_time(lambda: step(conv), min_time, device="cuda")
+        t_fb = median_time(lambda: step(fb), min_time, device="cuda")
         # the forward alone (with the graph recorded): the host's share of a small layer
-        t_conv_fwd = median_time(lambda: conv(x), 0.3, device="cuda")
-        t_fb_fwd = median_time(lambda: fb(x), 0.3, device="cuda")
+        t_conv_fwd = median_time(lambda: conv(x), 0.6 * min_time, device="cuda")
+        t_fb_fwd = median_time(lambda: fb(x), 0.6 * min_time, device="cuda")
         rows.append({"case": f"FB training {c_in}->{c_out} @{hw}x{hw}, batch 32", "contender": "FBConv2d vs nn.Conv2d",
                      "median_ms": t_fb * 1e3, "vs_adagrad": "", "vs_fused_prunadag": "",
                      "conv2d_ms": t_conv * 1e3, "ratio": t_fb / t_conv,
@@ -108,17 +112,37 @@ def _fb_rows():
     return rows
 
 
-def main(out=None):
-    env = environment(torch.get_num_threads())
-    rows = _prunadag_rows() + _fb_rows()
+def run(quick: bool = False, threads: int = 2, out=None) -> str:
+    """The CUDA benchmarks (``BenchmarkSkipped`` without a CUDA device or
+    without prunopt's CUDA kernels); writes ``gpu.json``/``gpu.md`` into ``out``."""
+    import prunopt
+
+    if not torch.cuda.is_available():
+        raise BenchmarkSkipped("no CUDA device")
+    if not prunopt.cuda_kernels_available():
+        raise BenchmarkSkipped("prunopt was built without its CUDA kernels")
+    env = environment(threads)
+    total, min_time = (1_000_000, 0.3) if quick else (10_000_000, 1.0)
+    shapes = sorted(set(VGG16_CIFAR), key=VGG16_CIFAR.index)
+    rows = _prunadag_rows(total, min_time) + _fb_rows(shapes[:4] if quick else shapes, 0.2 if quick else 0.5)
     return write_results("gpu", rows, env, out_dir=out,
-                         notes="CUDA: prunAdag (10M float32, version 3, relevant 0.1, global) and FB training "
-                               "(VGG16-CIFAR layers, batch 32, 50% mask). Medians in ms.",
+                         notes=f"CUDA: prunAdag ({total // 1_000_000}M float32, version 3, relevant 0.1, global) and "
+                               "FB training (VGG16-CIFAR layers, batch 32, 50% mask). Medians in ms.",
                          columns=["case", "contender", "median_ms", "vs_adagrad", "vs_fused_prunadag",
                                   "conv2d_ms", "ratio", "fwd_ms (FB / conv)"])
+
+
+def main(out=None, quick: bool = False):
+    """``python -m prunopt.bench.bench_gpu``: :func:`run` with torch's thread count."""
+    return run(quick=quick, threads=torch.get_num_threads(), out=out)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    print(main(ap.parse_args().out))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    try:
+        print(main(a.out, a.quick))
+    except BenchmarkSkipped as e:
+        print(f"bench_gpu: skipped: {e}")

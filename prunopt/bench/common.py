@@ -3,22 +3,69 @@ the environment record, and the JSON + markdown writers.
 
 Every benchmark verifies its results before it times them, times each
 contender in the same process, and reports medians and ratios.
+
+A benchmark module ``prunopt/bench/bench_<name>.py`` exposes
+``run(quick: bool, threads: int, out: str) -> str`` (the markdown it wrote)
+and raises :class:`BenchmarkSkipped` when it cannot run here (e.g. no CUDA
+device). Results go where ``out`` points; without one, into a new
+``./prunopt-bench-<time>`` directory (:func:`default_out_dir`), never into the
+package or a checkout's committed ``bench/results``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils import benchmark
 
-# the committed results of a source checkout (bench/results/ beside the package)
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
-                           "results")
+#: where a source checkout keeps its committed results (``prunopt bench --out bench/results`` writes there)
+RESULTS_DIR = os.path.join("bench", "results")
+
+_max_time: Optional[float] = None
+_default_out: Optional[str] = None
+
+
+class BenchmarkSkipped(Exception):
+    """Raised by a benchmark's ``run`` that cannot run on this machine (the
+    message says why); the runner reports it and goes on."""
+
+
+def default_out_dir() -> str:
+    """A new directory ``./prunopt-bench-<UTC time>`` (``-2``, ``-3``... if
+    taken), created once per process and reused by later calls."""
+    global _default_out
+    if _default_out is None or not os.path.isdir(_default_out):
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        base = os.path.abspath(f"prunopt-bench-{stamp}")
+        path, n = base, 1
+        while True:
+            try:
+                os.makedirs(path)
+                break
+            except FileExistsError:
+                n += 1
+                path = f"{base}-{n}"
+        _default_out = path
+    return _default_out
+
+
+@contextlib.contextmanager
+def max_time(seconds: Optional[float]) -> Iterator[None]:
+    """Within the block, every timing loop of :func:`median_time` (and so
+    :func:`interleaved_times`) runs at most ``seconds`` (None: no cap): fast
+    smoke runs of the suite, with noisier figures."""
+    global _max_time
+    old, _max_time = _max_time, seconds
+    try:
+        yield
+    finally:
+        _max_time = old
 
 
 def cpu_model() -> str:
@@ -52,6 +99,8 @@ def environment(threads: int) -> Dict[str, object]:
 def median_time(fn: Callable[[], object], min_run_time: float = 1.0, threads: int = 2, device: str = "cpu") -> float:
     """Median seconds per call of ``fn`` (torch.utils.benchmark, blocked autorange;
     CUDA calls are synchronised by the Timer)."""
+    if _max_time is not None:
+        min_run_time = min(min_run_time, _max_time)
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
@@ -73,8 +122,8 @@ def interleaved_times(fns: Dict[str, Callable[[], object]], min_run_time: float 
 
 def write_results(name: str, rows: List[Dict[str, object]], env: Dict[str, object], notes: str = "",
                   out_dir: Optional[str] = None, columns: Optional[List[str]] = None) -> str:
-    """Writes ``<name>.json`` and ``<name>.md`` into ``out_dir`` (default bench/results)."""
-    out_dir = out_dir or RESULTS_DIR
+    """Writes ``<name>.json`` and ``<name>.md`` into ``out_dir`` (default: :func:`default_out_dir`)."""
+    out_dir = out_dir or default_out_dir()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"benchmark": name, "environment": env, "rows": rows, "notes": notes}, f, indent=2)

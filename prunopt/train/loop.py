@@ -1,10 +1,11 @@
 """Training-loop helpers shared by every ``prunopt train`` method."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional, Tuple
 
@@ -129,60 +130,132 @@ class Summary:
         return d
 
 
-def atomic_save(obj, path: str) -> None:
-    """torch.save to a temporary file in the same folder, then rename."""
+def _temporary_file(folder: str, suffix: str = ""):
+    """A new file ``.tmp-<random><suffix>`` in ``folder``, open for binary
+    writing: ``(file, path)``. Created like ``open(path, "xb")``, so it gets the
+    usual ``0o666 & ~umask`` permissions (``tempfile.mkstemp`` makes 0600 files,
+    which would stay 0600 after the rename)."""
+    for _ in range(100):
+        path = os.path.join(folder, f".tmp-{secrets.token_hex(8)}{suffix}")
+        try:
+            return open(path, "xb"), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name in {folder}")
+
+
+def atomic_write_bytes(write: Callable, path: str, suffix: str = "") -> None:
+    """Calls ``write(file)`` on a temporary file in ``path``'s folder (created
+    if needed), flushes it to disk and renames it to ``path``: readers see the
+    old file or the whole new one, never a part. The temporary file is removed
+    if ``write`` fails or the process is interrupted."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pt")
-    os.close(fd)
+    f, tmp = _temporary_file(folder, suffix)
     try:
-        torch.save(obj, tmp)
+        with f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
+def atomic_save(obj, path: str) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (:func:`atomic_write_bytes`)."""
+    atomic_write_bytes(lambda f: torch.save(obj, f), path, ".pt")
+
+
 def atomic_write_text(text: str, path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Writes ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write_bytes`)."""
+    atomic_write_bytes(lambda f: f.write(text.encode("utf-8")), path)
 
 
-def save_history_plot(history: dict, path: str, title: str) -> None:
-    """A PNG of every series in ``history`` (each a list over epochs), written
-    atomically."""
+def save_history_plot(history: dict, path: str, title: str, summary: Optional["Summary"] = None) -> None:
+    """``history.png``: the job's phases (e.g. dense, masked, fine-tune) one
+    after the other on one epoch axis, their boundaries marked and named, the
+    test accuracy on the left axis and the densities (fraction of prunable
+    weights kept) on a second axis; the final pruned accuracy and density of
+    ``summary`` are marked after the last epoch. ``history`` is
+    :attr:`prunopt.train.job.Job.history`: ``{"phases": [{"name", "first"}],
+    "epochs": [{"epoch", "phase", <series>: value}]}``; a series whose name
+    contains ``density`` goes on the right axis. Written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, values in history.items():
-        ax.plot(range(1, len(values) + 1), values, label=name)
-    ax.set_xlabel("epoch")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.legend()
+    records = history.get("epochs", [])
+    phases = history.get("phases", [])
+    last = max([r["epoch"] for r in records] + [p["first"] - 1 for p in phases] + [0])
+    series = []
+    for r in records:
+        series += [k for k in r if k not in ("epoch", "phase") and k not in series]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    right = ax.twinx()
+    handles = []
+    colours = iter(["C0", "C3", "C4", "C5", "C6"])
+    dens_colours = iter(["C1", "C2", "C8", "C9", "C7"])
+    epochs = sorted({r["epoch"] for r in records})
+    for name in series:
+        # one point per epoch, NaN where the series was not recorded: a gap, not a line across a phase
+        by_epoch = {r["epoch"]: r[name] for r in records if name in r}
+        ys = [by_epoch.get(e, float("nan")) for e in epochs]
+        is_density = "density" in name
+        axis = right if is_density else ax
+        style = dict(color=next(dens_colours), ls="--", marker=".") if is_density else dict(color=next(colours), marker="o", ms=3)
+        handles += axis.plot(epochs, ys, label=name, **style)
+    # phase boundaries and names on the shared epoch axis
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    for i, ph in enumerate(phases):
+        end = phases[i + 1]["first"] - 1 if i + 1 < len(phases) else last
+        lo, hi = ph["first"] - 0.5, end + 0.5
+        if i % 2:
+            ax.axvspan(lo, hi, color="0.93", zorder=0)
+        if i:
+            ax.axvline(lo, color="0.45", ls=":", lw=1)
+        if hi > lo:
+            ax.text((lo + hi) / 2, 1.01, ph["name"], transform=top, ha="center", va="bottom", fontsize=8)
+    if summary is not None:
+        x = last + 1
+        ax.axvline(last + 0.5, color="0.45", ls=":", lw=1)
+        ax.text(x, 1.01, "final", transform=top, ha="center", va="bottom", fontsize=8)
+        handles += ax.plot([x - 0.1], [summary.pruned_acc], marker="*", ms=14, ls="", color="C3",
+                           label=f"final pruned accuracy {summary.pruned_acc:.4f}")
+        handles += right.plot([x + 0.1], [summary.density], marker="D", ms=7, ls="", color="C1",
+                              label=f"final density {summary.density:.4f}")
+        ax.axhline(summary.pruned_acc, color="C3", lw=0.8, ls=(0, (1, 3)))
+    ax.set_xlim(0.5, (last + 1.5) if summary is not None else max(last, 1) + 0.5)
+    ax.set_ylim(0.0, 1.02)
+    right.set_ylim(0.0, 1.02)
+    ax.set_xlabel("epoch (phases in sequence)")
+    ax.set_ylabel("test accuracy")
+    right.set_ylabel("density (fraction of prunable weights kept)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_title(title, pad=16)
     ax.grid(alpha=0.3)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    if handles:
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8,
+                  frameon=False)
+    try:
+        atomic_write_bytes(lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight"), path, ".png")
+    finally:
+        plt.close(fig)
 
 
 def write_outputs(out_dir: Optional[str], summary: Summary, state: dict, history: dict) -> None:
-    """``--out DIR``: checkpoint.pt, summary.json and history.png, each written atomically."""
+    """Writes a run's files into ``out_dir`` (each atomically): ``checkpoint.pt``
+    (``state``), ``summary.json`` and ``history.png`` (:func:`save_history_plot`).
+    ``prunopt train`` calls it on the run's staging directory, which is renamed
+    to ``--out`` once everything is written (:mod:`prunopt.train.output`)."""
     if not out_dir:
         return
     atomic_save(state, os.path.join(out_dir, "checkpoint.pt"))
-    atomic_write_text(json.dumps(summary.to_dict(), indent=2), os.path.join(out_dir, "summary.json"))
+    atomic_write_text(json.dumps(summary.to_dict(), indent=2) + "\n", os.path.join(out_dir, "summary.json"))
     if history:
-        save_history_plot(history, os.path.join(out_dir, "history.png"), summary.method)
+        title = f"{summary.method}: pruned accuracy {summary.pruned_acc:.4f} at density {summary.density:.4f}"
+        save_history_plot(history, os.path.join(out_dir, "history.png"), title, summary)

@@ -1,5 +1,6 @@
 """``prunopt train --method ap``: differentiable architecture pruning with
-two-temperature masks (Colombo & Gao).
+two-temperature masks (Colombo and Gao, *Differentiable Architecture Pruning
+for Transfer Learning*).
 
 1. Train the dense SmallCNN (``dense_acc``).
 2. Wrap every conv/linear layer in :class:`TwoTemperatureMask` (t_l = 1000,
@@ -22,8 +23,9 @@ from prunopt.nn.architecture import (
     wrap_two_temperature_masks,
 )
 from prunopt.train.data import load_digits
-from prunopt.train.loop import Summary, evaluate, progress, train_epoch, write_outputs
-from prunopt.train.methods import register_method
+from prunopt.train.job import Job
+from prunopt.train.loop import Summary
+from prunopt.train.methods import check_density, register_method
 from prunopt.train.models import SmallCNN
 
 
@@ -37,21 +39,30 @@ def add_arguments(p) -> None:
                    help="backward temperature t_s > 0 (default t_l/100)")
 
 
-def run(args) -> Summary:
+def check_arguments(args) -> None:
+    """``--density`` > 0 (:func:`~prunopt.train.methods.check_density`)."""
+    check_density(args)
+
+
+def run(args, job=None) -> Summary:
     """Dense training, two-temperature mask search to the target sparsity, fine-tuning."""
-    torch.manual_seed(args.seed)
+    check_arguments(args)
+    job = job or Job(args)
     data = load_digits(seed=args.seed, limit=args.limit)
-    model = SmallCNN(num_classes=data.num_classes)
     epochs = args.epochs or 6
     lr = args.lr if args.lr is not None else 1e-2
     gen = torch.Generator().manual_seed(args.seed)
-    history = {"dense_acc": [], "search_acc": [], "mask_density": [], "finetune_acc": []}
 
+    def accuracy(m):
+        return job.evaluate(m, data.x_test, data.y_test)
+
+    model = job.prepare(SmallCNN(num_classes=data.num_classes))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in progress(range(epochs), "ap dense", args.progress):
-        train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
-        history["dense_acc"].append(evaluate(model, data.x_test, data.y_test))
-    dense_acc = evaluate(model, data.x_test, data.y_test)
+    job.track(data_order=gen, model=model, optimizer=opt)
+    for _ in job.epochs("dense", epochs):
+        job.train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
+        job.log(**{"test accuracy": accuracy(model), "density": 1.0})
+    dense_acc = job.value("dense_acc", lambda: accuracy(model))
 
     t_l = getattr(args, "ap_tl", 1000.0)
     t_s = getattr(args, "ap_ts", None)
@@ -60,36 +71,42 @@ def run(args) -> Summary:
     masks = two_temperature_masks(model)
     target = 1.0 - args.density
     weights = [p for n, p in model.named_parameters() if not n.endswith(".w")]
+    # the masks freeze in the middle of an epoch once the target is reached: their logits stop getting gradients
+    model = job.prepare(model, find_unused_parameters=True)
     opt = torch.optim.Adam([dict(params=weights, lr=lr * 0.1), dict(params=[m.w for m in masks], lr=lr * 0.1)])
-    state = {"stopped": stop_at_sparsity(masks, target)}
+    state = {"stopped": stop_at_sparsity(masks, target), "search_epochs": 0}
+    job.track(optimizer=opt, search=state)
 
     def after():
         if not state["stopped"]:
             state["stopped"] = stop_at_sparsity(masks, target)
 
-    search_epochs = 0
-    for _ in progress(range(4 * epochs), "ap search", args.progress):
+    for _ in job.epochs("search", 4 * epochs):
         if state["stopped"]:
             break
-        train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen,
-                    loss_extra=lambda: mask_regularizer(masks, gamma), after_step=after)
-        search_epochs += 1
-        history["search_acc"].append(evaluate(model, data.x_test, data.y_test))
-        history["mask_density"].append(mask_density(masks))
+        job.train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen,
+                        loss_extra=lambda: mask_regularizer(masks, gamma), after_step=after)
+        state["search_epochs"] += 1
+        job.log(**{"test accuracy": accuracy(model), "density": mask_density(masks)})
+    stopped = job.value("target_reached", lambda: bool(state["stopped"]))
+    search_epochs = job.value("search_epochs", lambda: state["search_epochs"])
     for m in masks:
         m.freeze()  # final mask 1[w > 0] even if the target was not reached
+    model = job.prepare(model)
 
     opt = torch.optim.Adam(weights, lr=lr * 0.1)
-    for _ in progress(range(epochs), "ap finetune", args.progress):
-        train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
-        history["finetune_acc"].append(evaluate(model, data.x_test, data.y_test))
-    pruned_acc = evaluate(model, data.x_test, data.y_test)
+    job.track(optimizer=opt)
+    for _ in job.epochs("fine-tune", epochs):
+        job.train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
+        job.log(**{"test accuracy": accuracy(model), "density": mask_density(masks)})
+    pruned_acc = accuracy(model)
     summary = Summary("ap", dense_acc, pruned_acc, mask_density(masks),
-                      extra={"target_reached": bool(state["stopped"]), "search_epochs": search_epochs,
+                      extra={"target_reached": stopped, "search_epochs": search_epochs,
                              "gamma": float(gamma),
                              "layer_densities": "/".join(f"{d:.3f}" for d in layer_densities(masks))})
-    write_outputs(args.out, summary, {"model": model.state_dict()}, history)
-    return summary
+    return job.finish(summary, {"model": job.state_dict(model)})
 
 
-register_method("ap", run, "architecture pruning with two-temperature masks (t_l=1000, t_s=t_l/100)", add_arguments)
+register_method("ap", run, "architecture pruning: two-temperature masks (t_l=1000, t_s=t_l/100) searched to the "
+                "target sparsity, then fine-tuning", add_arguments, check_arguments,
+                fsdp="the mask regulariser and the sparsity stop read sharded mask logits outside the forward pass")

@@ -1,4 +1,5 @@
-"""``prunopt train --method ds``: differentiable sparsification (Lee).
+"""``prunopt train --method ds``: differentiable sparsification (Yongjin Lee,
+*Differentiable Sparsification for Deep Neural Networks*).
 
 Optimisation (the recipe of ``prunopt repro ds``, see docs/sparsification.md):
 SGD with momentum 0.9 and a cosine learning rate (``--lr``, default 0.1) for
@@ -31,8 +32,9 @@ from prunopt.nn.sparsification import (
     sparse_gates,
 )
 from prunopt.train.data import load_digits
-from prunopt.train.loop import OptimizerGroup, Summary, evaluate, progress, train_epoch, write_outputs
-from prunopt.train.methods import register_method
+from prunopt.train.job import Job
+from prunopt.train.loop import OptimizerGroup, Summary
+from prunopt.train.methods import check_density, register_method
 from prunopt.train.models import SmallCNN
 
 
@@ -77,7 +79,9 @@ def add_arguments(p) -> None:
 
 def check_arguments(args) -> None:
     """``--ds-group`` must divide the channel count of every BatchNorm of the
-    example CNN when ``--ds-norm l21`` groups its gates."""
+    example CNN when ``--ds-norm l21`` groups its gates; ``--density`` > 0
+    (:func:`~prunopt.train.methods.check_density`)."""
+    check_density(args)
     if getattr(args, "ds_norm", "l1") != "l21":
         return
     group = getattr(args, "ds_group", 4)
@@ -86,27 +90,31 @@ def check_arguments(args) -> None:
         raise ValueError(f"--ds-group {group} must divide every BatchNorm's channel count {channels}")
 
 
-def run(args) -> Summary:
+def run(args, job=None) -> Summary:
     """Dense training, sparse-BN gate training with the cubic strength ramp,
     channel removal."""
     check_arguments(args)
-    torch.manual_seed(args.seed)
+    job = job or Job(args)
     data = load_digits(seed=args.seed, limit=args.limit)
-    model = SmallCNN(num_classes=data.num_classes)
     epochs = args.epochs or 6
     lr = args.lr if args.lr is not None else 0.1
     gen = torch.Generator().manual_seed(args.seed)
-    history = {"dense_acc": [], "ds_acc": [], "gate_density": []}
 
+    def accuracy(m):
+        return job.evaluate(m, data.x_test, data.y_test)
+
+    model = job.prepare(SmallCNN(num_classes=data.num_classes))
     opt, sched = ds_optimizer(model, lr, epochs)
-    for _ in progress(range(epochs), "ds dense", args.progress):
-        train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
+    job.track(data_order=gen, model=model, optimizer=opt, scheduler=sched)
+    for _ in job.epochs("dense", epochs):
+        job.train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen)
         sched.step()
-        history["dense_acc"].append(evaluate(model, data.x_test, data.y_test))
-    dense_acc = evaluate(model, data.x_test, data.y_test)
+        job.log(**{"test accuracy": accuracy(model), "density": 1.0})
+    dense_acc = job.value("dense_acc", lambda: accuracy(model))
     dense_weights = prunable_weights(model)
 
     convert_to_sparse_batchnorm(model, preserve=True)
+    model = job.prepare(model)
     norm = getattr(args, "ds_norm", "l1")
     lam_f = args.ds_lambda if getattr(args, "ds_lambda", None) is not None else DEFAULT_LAMBDA[norm]
     group = getattr(args, "ds_group", 4)
@@ -114,6 +122,7 @@ def run(args) -> Summary:
         raise ValueError(f"--ds-lambda must be >= 0, got {lam_f}")
     opt, sched = ds_optimizer(model, lr, 2 * epochs)
     state = {"lam": 0.0}
+    job.track(optimizer=opt, scheduler=sched, strength=state)
 
     def reg():
         gs = sparse_gates(model)
@@ -121,22 +130,21 @@ def run(args) -> Summary:
         return state["lam"] * r
 
     ramp = max(1, int(0.6 * epochs))
-    for epoch in progress(range(2 * epochs), "ds sparsify", args.progress):
+    for epoch in job.epochs("sparsify", 2 * epochs):
         state["lam"] = cubic_strength(epoch, 0.0, lam_f, 0, ramp)
-        train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen, loss_extra=reg)
+        job.train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen, loss_extra=reg)
         sched.step()
-        history["ds_acc"].append(evaluate(model, data.x_test, data.y_test))
-        history["gate_density"].append(gate_density(model))
+        job.log(**{"test accuracy": accuracy(model), "gate density": gate_density(model)})
 
     small = remove_channels(model, example_input=data.x_test[:64])
-    pruned_acc = evaluate(small, data.x_test, data.y_test)
+    pruned_acc = accuracy(small)
     density = prunable_weights(small) / dense_weights
     summary = Summary("ds", dense_acc, pruned_acc, density,
                       extra={"gate_density": gate_density(model), "norm": norm, "lam_f": float(lam_f),
                              "target_density": float(args.density)})
-    write_outputs(args.out, summary, {"model": model.state_dict(), "exported": small}, history)
-    return summary
+    return job.finish(summary, {"model": job.state_dict(model), "exported": small})
 
 
-register_method("ds", run, "differentiable sparsification: sparse-BN gates with l1/l2,1, channels removed", add_arguments,
-                check_arguments)
+register_method("ds", run, "differentiable sparsification: sparse-BN gates driven to exact zeros by an l1 or "
+                "group l2,1 penalty, zero-gated channels removed", add_arguments, check_arguments,
+                fsdp="the sparse-BN gate regulariser reads sharded parameters outside the forward pass")

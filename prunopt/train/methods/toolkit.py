@@ -34,8 +34,9 @@ from prunopt.pruning import (
     pruning_rates,
 )
 from prunopt.train.data import load_digits
-from prunopt.train.loop import Summary, evaluate, iterate_minibatches, progress, train_epoch, write_outputs
-from prunopt.train.methods import register_method
+from prunopt.train.job import Job
+from prunopt.train.loop import Summary, iterate_minibatches
+from prunopt.train.methods import FSDP_MASKS, check_density, register_method
 from prunopt.train.models import SmallCNN
 
 TOOLKIT_METHODS = {
@@ -94,17 +95,15 @@ def _optimizer(model, lr: float, epochs: int):
     return opt, sched
 
 
-def _train(model, opt, sched, data, args, epochs, gen, desc, after_step=None, history=None, key=None):
-    bar = progress(range(epochs), desc, args.progress)
-    for _ in bar:
-        loss = train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen, after_step=after_step)
+def _train(job, model, opt, sched, data, args, epochs, gen, phase, after_step=None, masker=None):
+    """One phase of ``epochs`` epochs; returns the test accuracy after it
+    (recorded, so a resumed run reads it instead of evaluating again)."""
+    for _ in job.epochs(phase, epochs):
+        job.train_epoch(model, opt, data.x_train, data.y_train, args.batch_size, gen, after_step=after_step)
         sched.step()
-        acc = evaluate(model, data.x_test, data.y_test)
-        if history is not None and key is not None:
-            history.setdefault(key, []).append(acc)
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}")
-    return evaluate(model, data.x_test, data.y_test)
+        job.log(**{"test accuracy": job.evaluate(model, data.x_test, data.y_test),
+                   "density": masker.density() if masker is not None else 1.0})
+    return job.value(f"{phase}: accuracy", lambda: job.evaluate(model, data.x_test, data.y_test))
 
 
 def check_arguments(method: str, args) -> None:
@@ -112,6 +111,7 @@ def check_arguments(method: str, args) -> None:
     after parsing, and by :func:`run_toolkit`)."""
     if method == "lt" and not 1.0 - args.density < 1.0:
         raise ValueError("--sparsity must be < 1 for lottery tickets (--density > 0)")
+    check_density(args)
     _check_args(args)
 
 
@@ -124,10 +124,11 @@ def _check_args(args) -> None:
         raise ValueError(f"--update-interval must be >= 1, got {args.update_interval}")
 
 
-def run_toolkit(method: str, args) -> Summary:
-    """One training job of the pruning toolkit; returns the :class:`Summary`."""
+def run_toolkit(method: str, args, job=None) -> Summary:
+    """One training job of the pruning toolkit; returns the :class:`Summary`
+    (``job``: the :class:`~prunopt.train.job.Job`, default one process)."""
     check_arguments(method, args)
-    torch.manual_seed(args.seed)
+    job = job or Job(args)
     data = load_digits(seed=args.seed, limit=args.limit)
     epochs = args.epochs or DEFAULT_EPOCHS
     lr = args.lr if args.lr is not None else DEFAULT_LR
@@ -137,75 +138,89 @@ def run_toolkit(method: str, args) -> Summary:
     init_state = copy.deepcopy(model)
     steps_per_epoch = math.ceil(len(data.y_train) / args.batch_size)
     total_steps = epochs * steps_per_epoch
-    history: Dict[str, List[float]] = {}
     extra: Dict[str, object] = {"space": args.space}
+    job.track(data_order=gen)
 
     def dense_baseline() -> float:
-        dense = copy.deepcopy(init_state)
+        dense = job.prepare(copy.deepcopy(init_state))
         opt, sched = _optimizer(dense, lr, epochs)
-        return _train(dense, opt, sched, data, args, epochs, torch.Generator().manual_seed(args.seed), "dense",
-                      history=history, key="dense_acc")
+        g = torch.Generator().manual_seed(args.seed)
+        job.track(dense_model=dense, dense_optimizer=opt, dense_scheduler=sched, dense_data_order=g)
+        return _train(job, dense, opt, sched, data, args, epochs, g, "dense")
+
+    def masked_model():
+        opt, sched = _optimizer(model, lr, epochs)
+        masker = Masker(model, opt)
+        job.prepare(model)  # after the masks are in place
+        job.track(model=model, optimizer=opt, scheduler=sched, masker=masker)
+        return opt, sched, masker
 
     if method in ("pai-random", "snip", "grasp", "synflow"):
         dense_acc = dense_baseline()
-        opt, sched = _optimizer(model, lr, epochs)
-        masker = Masker(model, opt)
+        opt, sched, masker = masked_model()
         score = "random" if method == "pai-random" else method
         pai = PruningAtInit(masker, score, sparsity, generator=torch.Generator().manual_seed(args.seed))
         batches = list(iterate_minibatches(data.x_train, data.y_train, args.batch_size, gen))[: args.score_batches]
         pai.prune(batches=batches, example_input=data.x_train[:1])
-        pruned_acc = _train(model, opt, sched, data, args, epochs, gen, method, pai.step, history, "pruned_acc")
+        job.track(method=pai)
+        pruned_acc = _train(job, model, opt, sched, data, args, epochs, gen, method, pai.step, masker)
     elif method in ("set", "rigl"):
         dense_acc = dense_baseline()
-        opt, sched = _optimizer(model, lr, epochs)
-        masker = Masker(model, opt)
+        opt, sched, masker = masked_model()
         interval = args.update_interval or steps_per_epoch
+        dst_gen = torch.Generator().manual_seed(args.seed)
         dst = DynamicSparseTraining(masker, sparsity, total_steps, mode=method, update_interval=interval,
-                                    generator=torch.Generator().manual_seed(args.seed))
+                                    generator=dst_gen)
+        job.track(method=dst, method_generator=dst_gen)
 
-        def closure():  # RigL's dense gradient on a fresh training batch
+        def closure():  # RigL's dense gradient on a fresh training batch (the same on every rank)
             idx = torch.randint(0, len(data.y_train), (args.batch_size,), generator=gen)
             return F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
 
         after = (lambda: dst.step(closure)) if method == "rigl" else dst.step
-        pruned_acc = _train(model, opt, sched, data, args, epochs, gen, method, after, history, "pruned_acc")
+        pruned_acc = _train(job, model, opt, sched, data, args, epochs, gen, method, after, masker)
         extra["updates"] = dst.updates
     elif method == "gmp":
         dense_acc = dense_baseline()
-        opt, sched = _optimizer(model, lr, epochs)
-        masker = Masker(model, opt)
+        opt, sched, masker = masked_model()
         t0, t1 = int(0.1 * total_steps), max(int(0.1 * total_steps), int(0.7 * total_steps))
         gmp = GradualMagnitudePruning(masker, sparsity, t0=t0, t1=t1, interval=max(1, steps_per_epoch // 4))
-        pruned_acc = _train(model, opt, sched, data, args, epochs, gen, method, gmp.step, history, "pruned_acc")
+        job.track(method=gmp)
+        pruned_acc = _train(job, model, opt, sched, data, args, epochs, gen, method, gmp.step, masker)
         if masker.sparsity() < sparsity - 1e-9:  # a schedule too short to reach t1
             FineTuning(masker, sparsity).prune()
-            pruned_acc = evaluate(model, data.x_test, data.y_test)
+            pruned_acc = job.evaluate(model, data.x_test, data.y_test)
     elif method == "ft":
+        model = job.prepare(model)
         opt, sched = _optimizer(model, lr, epochs)
-        dense_acc = _train(model, opt, sched, data, args, epochs, gen, "pretrain", None, history, "dense_acc")
-        opt, sched = _optimizer(model, lr, epochs)  # App. G.6: the dense schedule again, high LR first
-        masker = Masker(model, opt)
+        job.track(model=model, optimizer=opt, scheduler=sched)
+        dense_acc = _train(job, model, opt, sched, data, args, epochs, gen, "pretrain")
+        opt, sched, masker = masked_model()  # App. G.6: the dense schedule again, high LR first
         ft = FineTuning(masker, sparsity)
         ft.prune()
-        extra["pruned_before_ft"] = evaluate(model, data.x_test, data.y_test)
-        pruned_acc = _train(model, opt, sched, data, args, epochs, gen, "fine-tune", ft.step, history, "pruned_acc")
+        job.track(method=ft)
+        extra["pruned_before_ft"] = job.value("pruned before fine-tuning",
+                                              lambda: job.evaluate(model, data.x_test, data.y_test))
+        pruned_acc = _train(job, model, opt, sched, data, args, epochs, gen, "fine-tune", ft.step, masker)
     elif method == "lt":
         if sparsity >= 1.0:
             raise ValueError("--sparsity must be < 1 for lottery tickets")
-        opt, sched = _optimizer(model, lr, epochs)
-        masker = Masker(model, opt)
+        opt, sched, masker = masked_model()
         t0 = args.rewind_step if args.rewind_step is not None else steps_per_epoch // 2
         if t0 >= total_steps:
             raise ValueError(f"--rewind-step {t0} must be smaller than the {total_steps} steps of one training")
         lt = LotteryTicket(masker, opt, sparsity, t0=t0, scheduler=sched)
+        job.track(method=lt)
         trainings = lottery_ticket_trainings(sparsity)
-        dense_acc = _train(model, opt, sched, data, args, epochs, gen, "lt round 1", lt.step, history, "dense_acc")
+        dense_acc = _train(job, model, opt, sched, data, args, epochs, gen, f"round 1/{trainings}", lt.step, masker)
         r = 1
-        while not lt.done:
-            lt.prune_and_rewind()
+        # the stop decision is recorded: a resumed run replays the rounds before its checkpoint
+        while not job.value(f"lt done after round {r}", lambda: lt.done):
+            if not job.replaying:  # the rewind needs the t0 snapshot, which a replay restores later
+                lt.prune_and_rewind()
             r += 1
-            pruned_acc = _train(model, opt, sched, data, args, epochs, gen, f"lt round {r}/{trainings}", lt.step)
-            history.setdefault("pruned_acc", []).append(pruned_acc)
+            pruned_acc = _train(job, model, opt, sched, data, args, epochs, gen, f"round {r}/{trainings}", lt.step,
+                                masker)
         if r == 1:
             pruned_acc = dense_acc
         extra["trainings"] = r
@@ -218,14 +233,13 @@ def run_toolkit(method: str, args) -> Summary:
     extra.update(p_sp=rates["p_sp"], p_ip=rates["p_ip"], csr_fraction=storage["csr_fraction"],
                  entropy_fraction=storage["entropy_fraction"])
     summary = Summary(method, dense_acc, pruned_acc, 1.0 - rates["p_sp"], extra)
-    state = {"model": model.state_dict(), "masks": masker.state_dict(), "args": dict(vars(args))}
-    write_outputs(args.out, summary, state, history)
-    return summary
+    state = {"model": job.state_dict(model), "masks": masker.state_dict(), "args": dict(vars(args))}
+    return job.finish(summary, state)
 
 
 def _runner(method: str):
-    def run(args) -> Summary:
-        return run_toolkit(method, args)
+    def run(args, job=None) -> Summary:
+        return run_toolkit(method, args, job)
 
     run.__doc__ = f"``prunopt train --method {method}``: {TOOLKIT_METHODS[method]}."
     return run
@@ -240,7 +254,7 @@ def _checker(method: str):
 
 
 for _name, _help in TOOLKIT_METHODS.items():
-    register_method(_name, _runner(_name), _help, add_arguments, _checker(_name))
+    register_method(_name, _runner(_name), _help, add_arguments, _checker(_name), fsdp=FSDP_MASKS)
 
 
 # ---------------------------------------------------------------- compare
