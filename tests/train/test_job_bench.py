@@ -13,7 +13,7 @@ from prunopt.bench.common import BenchmarkSkipped
 
 from _job_helpers import ROOT, run_child
 
-EXPECTED = ["gates", "gpu", "interspace", "masking", "projection", "prunadag"]
+EXPECTED = ["distributed", "gates", "gpu", "interspace", "masking", "projection", "prunadag"]
 
 
 def _installed_copy(tmp_path):
