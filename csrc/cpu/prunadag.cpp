@@ -43,6 +43,7 @@
 
 #include "prunopt/cpu_math.h"
 #include "prunopt/prunadag.h"
+#include "prunopt/prunadag_reduced.h"
 #include "prunopt/tensor_list.h"
 
 namespace prunopt {
@@ -743,8 +744,10 @@ std::vector<int64_t> hist_pass(const std::vector<Seg>& segs, int64_t total, int 
         const scalar_t* gp = static_cast<const scalar_t*>(s.g);
         const scalar_t* xp = static_cast<const scalar_t*>(s.x);
         const scalar_t wd = static_cast<scalar_t>(s.h[kWeightDecay]);
+        const scalar_t sgn = s.h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
         for (int64_t i = b; i < e; ++i) {
-          const K key = magnitude_key<scalar_t>(kWd ? gp[i] + wd * xp[i] : gp[i]);
+          // with weight decay the sign of g matters: |-g + wd x| != |g + wd x|
+          const K key = magnitude_key<scalar_t>(kWd ? effective_grad<scalar_t>(xp[i], gp[i], wd, sgn) : gp[i]);
           hist[(key >> shift) & dmask] += (key & pmask) == prefix;
         }
       });
@@ -802,7 +805,8 @@ scalar_t abs_effective(const Seg& s, int64_t j, bool with_x) {
     return std::abs(g);
   }
   const scalar_t x = static_cast<const scalar_t*>(s.x)[j];
-  return std::abs(g + static_cast<scalar_t>(s.h[kWeightDecay]) * x);
+  const scalar_t sgn = s.h[kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
+  return std::abs(effective_grad<scalar_t>(x, g, static_cast<scalar_t>(s.h[kWeightDecay]), sgn));
 }
 
 // Shift that maps keys in [kmin, kmin + span] onto at most 4096 histogram bins.
@@ -1264,6 +1268,11 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   const char* op = "prunadag_step_";
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, op, ": version must be 0 (relevant_only) or 1..4, got ", version);
+  if (nt > 0 && is_reduced_float(params[0].scalar_type())) {
+    // float16 / bfloat16: computed in float32, stored in the params' dtype
+    return step_in_float32(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite,
+        /*host_flag=*/true, &prunadag_step_cpu);
+  }
   const bool flagged = found_nonfinite.has_value() && found_nonfinite->defined();
   if (flagged) {
     const auto& f = *found_nonfinite;
@@ -1279,7 +1288,7 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   }
   const auto& p0 = params[0];
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
-      ": params must be float32 or float64, got ", p0.scalar_type());
+      ": params must be float16, bfloat16, float32 or float64, got ", p0.scalar_type());
   check_list(params, p0, nt, op, "params");
   check_list(opt_sums, p0, nt, op, "opt_sums");
   check_list(dec_sums, p0, nt, op, "dec_sums");

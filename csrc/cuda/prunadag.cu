@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "prunopt/prunadag.h"
+#include "prunopt/prunadag_reduced.h"
 #include "prunopt/tensor_list.h"
 
 namespace prunopt {
@@ -246,8 +247,9 @@ __global__ void __launch_bounds__(kThreads) hist_kernel(Meta m, const double* hy
   const int64_t end = min(begin + kChunk, m.n[t]);
   const scalar_t* g = static_cast<const scalar_t*>(m.g[t]);
   const scalar_t wd = static_cast<scalar_t>(hyper ? hyper[m.row[t] * kHyperCols + kWeightDecay] : 0.0);
+  const scalar_t sgn = hyper != nullptr && hyper[m.row[t] * kHyperCols + kMaximize] != 0.0 ? scalar_t(-1) : scalar_t(1);
   // x enters the key only through weight decay (as in the CPU scan): without it
-  // the radix passes read g alone
+  // the radix passes read g alone (then the sign of g does not change |g|)
   const scalar_t* x = use_x && wd != scalar_t(0) ? static_cast<const scalar_t*>(m.x[t]) : nullptr;
   const K prefix = static_cast<K>(st->prefix), pmask = static_cast<K>(st->pmask);
   const bool part = pruned(m, hyper, t);
@@ -263,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) hist_kernel(Meta m, const double* hy
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + static_cast<int64_t>(u) * kThreads;
-        gv[u] = i < end ? (x != nullptr ? g[i] + wd * x[i] : g[i]) : scalar_t(0);
+        gv[u] = i < end ? (x != nullptr ? effective_grad<scalar_t>(x[i], g[i], wd, sgn) : g[i]) : scalar_t(0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -511,6 +513,12 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   if (nt == 0) {
     return;
   }
+  if (is_reduced_float(params[0].scalar_type())) {
+    // float16 / bfloat16: computed in float32, stored in the params' dtype (the
+    // copy back runs unconditionally: no host synchronisation on the flag)
+    return step_in_float32(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite,
+        /*host_flag=*/false, &prunadag_step_cuda);
+  }
   const auto& p0 = params[0];
   float* flag = nullptr;
   if (found_nonfinite.has_value() && found_nonfinite->defined()) {
@@ -520,7 +528,7 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
     flag = f.data_ptr<float>();
   }
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble,
-      "prunadag_step_: params must be float32 or float64, got ", p0.scalar_type());
+      "prunadag_step_: params must be float16, bfloat16, float32 or float64, got ", p0.scalar_type());
   TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
       hyper.size(1) == kHyperCols && hyper.device() == p0.device(),
       "prunadag_step_: hyper must be a float64 tensor of shape (", nt, ", ", kHyperCols, ") on ", p0.device());

@@ -5,7 +5,7 @@ Per step, over the ``n`` elements that take part (the pruned parameters of a
 selection scope):
 
 .. math::
-    g &\leftarrow \pm(g + \lambda x), \qquad lr_k = lr / (1 + k\,\mathrm{lr\_decay}) \\
+    g &\leftarrow \pm g + \lambda x, \qquad lr_k = lr / (1 + k\,\mathrm{lr\_decay}) \\
     \mathcal R &= \{i : |g_i| \ge \tau\},\ \tau = T\text{-th largest } |g| \quad (2.6) \\
     (w^O_i)^2 &\leftarrow (w^O_i)^2 + g_i^2,\quad s_i = -lr_k\, g_i / (w^O_i + \epsilon) \quad (2.7, 2.9) \\
     \mathcal M &= \{i \notin \mathcal R : x_i g_i > 0\},\quad
@@ -32,7 +32,7 @@ from prunopt.reference.prunadag import (VERSIONS, TensorHyper, effective_grad, p
 __all__ = ["PrunAdag", "prunadag"]
 
 SCOPES = ("global", "group", "tensor")
-_FUSED_DTYPES = (torch.float32, torch.float64)
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _version_code(version) -> int:
@@ -62,33 +62,75 @@ def _check_relevant(relevant, name="relevant"):
         raise ValueError(f"{name} must be in (0, 1] when it is a float, got {relevant}")
 
 
+# torch.optim.Adagrad's wording of its range errors (one message per key)
+_HYPER_LABELS = {"lr": "learning rate", "lr_decay": "lr_decay value", "weight_decay": "weight_decay value",
+                 "initial_accumulator_value": "initial_accumulator_value value", "eps": "epsilon value"}
+
+
 def _check_hyper(group: dict) -> None:
-    for key in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+    """Validates one param group (the constructor's defaults too). Types and
+    ranges raise ``TypeError`` / ``ValueError`` naming the argument, flag
+    combinations raise ``RuntimeError`` with ``torch.optim``'s messages."""
+    for key, label in _HYPER_LABELS.items():
         v = group[key]
         if isinstance(v, Tensor):
+            if key != "lr":
+                raise TypeError(f"{key} must be a real number, got a Tensor (only lr may be a Tensor)")
             if v.numel() != 1:
-                raise ValueError(f"{key} must be a number or a one-element tensor")
+                raise ValueError("Tensor lr must be 1-element")
+            if not v.is_floating_point():
+                raise TypeError(f"a Tensor lr must have a floating dtype, got {v.dtype}")
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{key} must be a real number, got {type(v).__name__}")
         if not (v >= 0.0) or math.isinf(v):
-            raise ValueError(f"Invalid {key} value: {v} (must be a finite number >= 0)")
+            raise ValueError(f"Invalid {label}: {v} ({key} must be a finite number >= 0)")
     _check_relevant(group["relevant"])
     if group["version"] not in VERSIONS or isinstance(group["version"], bool):
         raise ValueError(f"version must be one of {VERSIONS}, got {group['version']!r}")
     if group["scope"] not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {group['scope']!r}")
-    if not isinstance(group["prune"], bool):
-        raise TypeError(f"prune must be a bool, got {type(group['prune']).__name__}")
-    if not isinstance(group["maximize"], bool):
-        raise TypeError(f"maximize must be a bool, got {type(group['maximize']).__name__}")
+    for key in ("prune", "maximize", "differentiable"):
+        if not isinstance(group[key], bool):
+            raise TypeError(f"{key} must be a bool, got {type(group[key]).__name__}")
     for key in ("foreach", "fused"):
         if group[key] is not None and not isinstance(group[key], bool):
             raise TypeError(f"{key} must be None or a bool, got {type(group[key]).__name__}")
+    if group["differentiable"]:
+        raise ValueError("differentiable=True is not supported by PrunAdag (the relevant set of eq. 2.6 and the "
+                         "sets A, D are chosen by comparisons, not differentiable operations); use "
+                         "differentiable=False")
     if group["foreach"] and group["fused"]:
-        raise ValueError("foreach and fused cannot both be True")
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if group["fused"] and not extension_available():
-        raise ValueError("fused=True needs the compiled extension prunopt._C, which is not loaded")
+        raise RuntimeError("`fused=True` needs the compiled extension prunopt._C, which is not loaded")
+
+
+def _writes_overlap(t: Tensor) -> bool:
+    """Whether an in-place write to ``t`` would hit one memory location twice
+    (a stride-0 dimension of size > 1, e.g. an ``expand``-ed tensor): the
+    case in which PyTorch's in-place ops raise. Metadata only."""
+    if t.is_contiguous():
+        return False
+    return any(st == 0 and sz > 1 for sz, st in zip(t.shape, t.stride()))
+
+
+def _check_steps(steps: List[Tensor], name: str = "state_steps") -> None:
+    """Step counters ``k`` must be finite and >= 0 (``lr_k / (k + 1)`` of
+    Table 1 divides by ``k + 1``): ``ValueError`` otherwise. Reads them on the
+    host (one read)."""
+    steps = [st for st in steps if st.numel() == 1 and not st.is_meta]  # other shapes: _check_grads
+    if not steps:
+        return
+    devs = {st.device for st in steps}
+    if len(devs) == 1:
+        k = torch.stack([st.detach().reshape(()).to(torch.float64) for st in steps])
+        ok = bool((torch.isfinite(k) & (k >= 0)).all())
+    else:
+        ok = all(math.isfinite(v) and v >= 0 for v in (float(st) for st in steps))
+    if not ok:
+        bad = next(float(st) for st in steps if not (math.isfinite(float(st)) and float(st) >= 0))
+        raise ValueError(f"{name}: step counts must be finite and >= 0, got {bad}; nothing was updated")
 
 
 def _fused_supported(tensors: List[Tensor]) -> bool:
@@ -129,16 +171,25 @@ def _check_grads(scopes: List[_Scope]) -> None:
     """Gradients and state against their parameters, before anything is
     written: a state of another shape, dtype or device (e.g. a state dict
     loaded into an optimizer whose parameters come in another order) raises
-    ValueError here instead of failing half-way through the step."""
+    ValueError here instead of failing half-way through the step, and so does
+    a tensor the step would write in place whose elements share memory (an
+    ``expand``-ed parameter: RuntimeError, as PyTorch's in-place ops raise)."""
     strided = torch.strided
     for s in scopes:
-        for p, g, so, sd, st in zip(s.params, s.grads, s.opt_sums, s.dec_sums, s.steps):
+        for i, (p, g, so, sd, st) in enumerate(zip(s.params, s.grads, s.opt_sums, s.dec_sums, s.steps)):
             # one cheap test per tensor (attributes only); the messages below
             shape, dtype, dev = p.shape, p.dtype, p.device
             if (g.layout is strided and not g.dtype.is_complex and not dtype.is_complex and g.shape == shape
                     and so.shape == shape and sd.shape == shape and so.dtype == dtype and sd.dtype == dtype
-                    and so.device == dev and sd.device == dev and st.numel() == 1):
+                    and so.device == dev and sd.device == dev and st.numel() == 1
+                    and not (_writes_overlap(p) or _writes_overlap(so) or _writes_overlap(sd))):
                 continue
+            for name, t in (("parameter", p), ("state 'sum'", so), ("state 'decrease_sum'", sd)):
+                if _writes_overlap(t):
+                    raise RuntimeError(
+                        f"PrunAdag: a {name} of shape {tuple(t.shape)} has more than one element referring to a "
+                        f"single memory location (stride {tuple(t.stride())}, e.g. an expand()-ed tensor), so it "
+                        "cannot be updated in place; clone() it. Nothing was updated")
             if g.is_sparse or g.layout != strided:
                 raise TypeError("PrunAdag does not support sparse gradients")
             if torch.is_complex(p) or torch.is_complex(g):
@@ -168,52 +219,62 @@ def _single_tensor_scope(s: _Scope, T: int) -> None:
     prunadag_step_reference(s.params, s.grads, s.opt_sums, s.dec_sums, hypers, T, s.version)
 
 
-def _foreach_scope(s: _Scope, T: int) -> None:
-    """Batched path: one flat buffer per role, whole-vector ops, then copy back."""
+def _foreach_scope(s: _Scope, T: int, flag: Optional[Tensor] = None) -> None:
+    """Batched path: one flat buffer per role, whole-vector ops, then copy back.
+
+    No host synchronisation and no host read (so no graph break under
+    ``torch.compile``): the per-tensor scalars come from :func:`_hyper_tensor`,
+    the threshold and the ratio ``r`` stay tensors. With ``flag`` (a
+    one-element float32 tensor, 1 if the step must be skipped) every write
+    keeps the old values where the flag is set."""
     if not s.params:
         return
     dtypes = {p.dtype for p in s.params}
     if len(dtypes) > 1 or len({p.device for p in s.params}) > 1:
+        if flag is not None and bool(flag.item() != 0):
+            return
         return _single_tensor_scope(s, T)  # a flat buffer needs one dtype and device
     with torch.no_grad():
-        ks = [float(st.item()) for st in s.steps]
-        hyp = [TensorHyper(**{**h.__dict__, "k": k}) for h, k in zip(s.hypers, ks)]
         sizes = [p.numel() for p in s.params]
-        dev, dt = s.params[0].device, s.params[0].dtype
+        total = sum(sizes)
+        dt = s.params[0].dtype
+        hyper = _hyper_tensor(s)
         x = torch.cat([p.reshape(-1) for p in s.params])
-        g = torch.cat([effective_grad(p, gr, h).reshape(-1) for p, gr, h in zip(s.params, s.grads, hyp)])
+        g = torch.cat([effective_grad(p, gr, h).reshape(-1) for p, gr, h in zip(s.params, s.grads, s.hypers)])
         so = torch.cat([t.reshape(-1) for t in s.opt_sums])
         sd = torch.cat([t.reshape(-1) for t in s.dec_sums])
-        if not bool(torch.isfinite(g).all()):
-            raise ValueError("PrunAdag: grads contain a non-finite value; the step was skipped (nothing was updated)")
-        sz = torch.tensor(sizes, device=dev)
+        def per_elem(col: Tensor) -> Tensor:
+            # one value per tensor (float64): a 0-dim tensor for one tensor,
+            # else repeated to one per element (expanded views, one cat: on
+            # the CPU torch.repeat_interleave costs ~20 ms here), in the params' dtype
+            col = col.to(dt) if col.dtype != torch.bool else col
+            if len(sizes) == 1:
+                return col[0]
+            return torch.cat([c.expand(n) for c, n in zip(col.unbind(), sizes)])
 
-        def per_elem(values, dtype=dt):
-            # one value per tensor: a Python scalar when they are all equal (the
-            # usual case), else expanded to one per element
-            if all(v == values[0] for v in values):
-                return values[0]
-            return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=dev), sz, output_size=x.numel())
-
-        all_pruned = all(h.prune for h in hyp)
-        prune = None if all_pruned else per_elem([h.prune for h in hyp], torch.bool)
-        n = int(sum(sz_ for sz_, h in zip(sizes, hyp) if h.prune))
+        all_pruned = all(h.prune for h in s.hypers)
+        prune = None if all_pruned else per_elem(hyper[:, 5] != 0)
+        n = sum(sz_ for sz_, h in zip(sizes, s.hypers) if h.prune)
         ag = g.abs()
         if n > 0 and T < n:
-            tau = torch.kthvalue(ag if all_pruned else ag[prune], n - T + 1).values
+            # the T-th largest |g| of the pruned elements: the others rank below
+            # every |g| >= 0 as -1 (no boolean indexing: static shapes)
+            tau = torch.kthvalue(ag if all_pruned else torch.where(prune, ag, -1.0), total - T + 1).values
             rel = ag >= tau
             if not all_pruned:
                 rel |= ~prune
         else:
             rel = torch.ones_like(ag, dtype=torch.bool)
         m = (~rel) & (x * g > 0)
-        g_r = (g.double().pow(2) * (rel if all_pruned else rel & prune)).sum().item()
-        x_m = (x.double().pow(2) * m).sum().item()
-        ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
-        lr_k = per_elem([h.lr_k for h in hyp])
-        eps = per_elem([h.eps for h in hyp])
-        r_fac = 1.0 if s.version in (2, 4) else ratio
-        scale = per_elem([h.lr_k / (h.k + 1.0) * r_fac for h in hyp])
+        g_r = (g.double().pow(2) * (rel if all_pruned else rel & prune)).sum()
+        x_m = (x.double().pow(2) * m).sum()
+        lr_k = per_elem(hyper[:, 0])
+        eps = per_elem(hyper[:, 3])
+        if s.version in (2, 4):
+            scale = per_elem(hyper[:, 1])
+        else:
+            ratio = torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
+            scale = per_elem(hyper[:, 1] * ratio)
         so_new = so + g * g
         s_opt = (g * -lr_k) / (so_new.sqrt() + eps)
         ax = x.abs()
@@ -231,18 +292,28 @@ def _foreach_scope(s: _Scope, T: int) -> None:
         x_new = torch.where(opt, x + s_opt, x - torch.sign(x) * dec)
         so_out = torch.where(opt, so_new, so)
         sd_out = torch.where(opt, sd, sd_new)
+        if flag is not None:
+            skip = flag.reshape(()) != 0
+            x_new, so_out, sd_out = (torch.where(skip, old, new) for old, new in
+                                     ((x, x_new), (so, so_out), (sd, sd_out)))
         for dst, src in ((s.params, x_new), (s.opt_sums, so_out), (s.dec_sums, sd_out)):
             torch._foreach_copy_(dst, [c.view_as(d) for c, d in zip(src.split(sizes), dst)])
 
 
 def _hyper_tensor(s: _Scope) -> Tensor:
-    """Per-tensor scalars for the fused op, built with tensor ops from the step
-    counters (no host synchronisation on CUDA): columns
-    ``[lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune]``."""
+    """Per-tensor scalars for the fused op (float64, on the params' device):
+    columns ``[lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune]``.
+
+    Built with tensor ops from the step counters, so it needs no host
+    synchronisation on CUDA and no host read under ``torch.compile`` (a float
+    ``lr`` that a scheduler changes becomes a graph input there, a tensor
+    ``lr`` is one already). In eager mode on the CPU, with float learning
+    rates, the counters are read on the host instead: the same float64
+    operations, ~10 tensor ops fewer."""
     dev = s.params[0].device
-    if dev.type == "cpu" and all(not st.is_cuda for st in s.steps):
-        # on the host the step counters are read directly (no synchronisation to
-        # avoid): the same float64 operations as below, ~10 tensor ops fewer
+    tensor_lr = any(isinstance(h.lr, Tensor) for h in s.hypers)
+    if (dev.type == "cpu" and not tensor_lr and not torch.compiler.is_compiling()
+            and all(not st.is_cuda for st in s.steps)):
         ks = (torch.stack(s.steps).tolist() if all(st.dim() == 0 for st in s.steps)
               else [float(st.item()) for st in s.steps])
         rows = []
@@ -254,18 +325,25 @@ def _hyper_tensor(s: _Scope) -> Tensor:
         k = torch.stack(s.steps).to(torch.float64)  # one op, not one per tensor
     else:
         k = torch.stack([st.reshape(()).to(device=dev, dtype=torch.float64) for st in s.steps])
-    consts = torch.tensor(
-        [[h.lr, h.lr_decay, h.weight_decay, h.eps, float(h.maximize), float(h.prune)] for h in s.hypers],
-        dtype=torch.float64,
-    )
-    if dev.type == "cuda":
+    # lr_k per run of tensors that share one hyper-parameter set (a param
+    # group): a float, SymFloat or tensor lr enters through tensor arithmetic
+    lr_k_parts, start = [], 0
+    for i in range(1, len(s.hypers) + 1):
+        if i == len(s.hypers) or s.hypers[i] is not s.hypers[start]:
+            h = s.hypers[start]
+            lr = h.lr.to(device=dev, dtype=torch.float64).reshape(()) if isinstance(h.lr, Tensor) else h.lr
+            lr_k_parts.append(step_lr(lr, h.lr_decay, k[start:i]))
+            start = i
+    lr_k = lr_k_parts[0] if len(lr_k_parts) == 1 else torch.cat(lr_k_parts)
+    consts = torch.tensor([[h.weight_decay, h.eps, float(h.maximize), float(h.prune)] for h in s.hypers],
+                          dtype=torch.float64)
+    if dev.type == "cuda" and not torch.compiler.is_compiling():
         # a copy from pageable host memory would synchronise with the device
         # (the host would wait for the previous step's kernels): pinned + async
         consts = consts.pin_memory().to(dev, non_blocking=True)
     else:
         consts = consts.to(dev)
-    lr_k = step_lr(consts[:, 0], consts[:, 1], k)
-    return torch.stack([lr_k, lr_k / (k + 1.0), consts[:, 2], consts[:, 3], consts[:, 4], consts[:, 5]], dim=1)
+    return torch.cat([torch.stack([lr_k, lr_k / (k + 1.0)], dim=1), consts], dim=1)
 
 
 def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None) -> None:
@@ -283,7 +361,7 @@ def _flag_nonfinite(scopes: List[_Scope], flag: Tensor) -> None:
     for s in scopes:
         for p, g, h in zip(s.params, s.grads, s.hypers):
             bad = (~torch.isfinite(effective_grad(p, g, h))).any().to(device=flag.device, dtype=flag.dtype)
-            torch.maximum(flag, bad.reshape(flag.shape), out=flag)
+            flag.copy_(torch.maximum(flag, bad.reshape(flag.shape)))
 
 
 def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tensor] = None) -> None:
@@ -300,13 +378,15 @@ def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tenso
             raise ValueError("found_nonfinite must be a one-element float32 tensor")
         if impl != "fused" or len(scopes) > 1:
             _flag_nonfinite(scopes, flag)  # one fused call checks its own scope before writing
-        if impl != "fused" and bool(flag.item() != 0):
-            return  # reference paths: nothing written, counters unchanged
+        if impl == "single" and bool(flag.item() != 0):
+            return  # reference path: nothing written, counters unchanged
         for s, T in zip(scopes, targets):
             if impl == "fused":
                 _fused_scope(s, T, flag)  # writes nothing once the flag is set
+            elif impl == "foreach":
+                _foreach_scope(s, T, flag)  # keeps the old values where the flag is set (no host read)
             else:
-                (_foreach_scope if impl == "foreach" else _single_tensor_scope)(s, T)
+                _single_tensor_scope(s, T)
         steps = [st for s in scopes for st in s.steps]
         on_flag_device = [st for st in steps if st.device == flag.device]
         if on_flag_device:  # one foreach launch, the increment computed once
@@ -371,12 +451,16 @@ def prunadag(
 
     All lists must have one entry per parameter, and each accumulator the
     shape, dtype and device of its parameter (``ValueError`` otherwise, before
-    anything is written).
+    anything is written). The step counters must be finite and >= 0
+    (``ValueError``, nothing written; checked on the host, except for counters
+    on a CUDA device with ``found_nonfinite``, where reading them would
+    synchronise, and under ``torch.compile``). ``lr`` may be a one-element
+    tensor.
     """
     relevant = _normalize_relevant(relevant)
     group = dict(lr=lr, relevant=relevant, version=version, scope="global", lr_decay=lr_decay,
                  weight_decay=weight_decay, initial_accumulator_value=0.0, eps=eps, maximize=maximize,
-                 foreach=foreach, fused=fused, prune=True)
+                 foreach=foreach, fused=fused, differentiable=False, prune=True)
     _check_hyper(group)
     s = _Scope()
     s.params, s.grads, s.opt_sums, s.dec_sums, s.steps = list(params), list(grads), list(opt_sums), list(dec_sums), list(state_steps)
@@ -387,16 +471,30 @@ def prunadag(
         for i, t in enumerate(lst):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
-    s.hypers = [TensorHyper(lr=float(lr), lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize) for _ in params]
+    hyper = TensorHyper(lr=lr if isinstance(lr, Tensor) else float(lr), lr_decay=lr_decay,
+                        weight_decay=weight_decay, eps=eps, maximize=maximize)
+    s.hypers = [hyper] * len(s.params)
     s.relevant, s.version = relevant, version
     _check_grads([s])  # sparse / complex / mismatched state: TypeError / ValueError before the path is chosen
+    if not torch.compiler.is_compiling() and not (found_nonfinite is not None and any(st.is_cuda for st in s.steps)):
+        _check_steps(s.steps)
     _run_scopes([s], _choose_impl(s.params + s.grads, foreach, fused), found_nonfinite)
 
 
 def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
     if fused:
-        if not _fused_supported(tensors):
-            raise ValueError("fused=True needs float32/float64 tensors on one device with a compiled prunadag kernel")
+        # as torch.optim: fused=True needs real values (meta tensors only go
+        # through the fake kernel on the default path)
+        if not _fused_supported(tensors) or tensors[0].is_meta:
+            from prunopt.ops import PRUNADAG_DEVICES
+
+            bad = next((t for t in tensors if t.dtype not in _FUSED_DTYPES or t.is_meta
+                        or t.device.type not in PRUNADAG_DEVICES), None)
+            what = (f"{bad.dtype} and {bad.device.type}" if bad is not None
+                    else f"tensors on {sorted({str(t.device) for t in tensors})} and of {sorted({str(t.dtype) for t in tensors})}")
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of supported devices: "
+                f"{sorted(PRUNADAG_DEVICES - {'meta'})}, of one dtype and on one device, but {what}")
         return "fused"
     if foreach is False:
         return "single"
@@ -411,47 +509,77 @@ def _choose_impl(tensors: List[Tensor], foreach, fused) -> str:
 
 
 class PrunAdag(torch.optim.Optimizer):
-    r"""prunAdag (Porcelli, Seraghiti, Toint 2025, Algorithm 2.1).
+    r"""prunAdag (Porcelli, Seraghiti, Toint, "prunAdag: an adaptive
+    pruning-aware gradient method", Algorithm 2.1).
 
     Adagrad on the *optimisable* elements ``O = R ∪ A`` (eq. 2.4, 2.9) and an
     Adagrad-like trust-region shrink of the *decreasable* ones ``D`` (eq. 2.10,
     2.16), so that the solution is robust to a posteriori magnitude pruning.
 
+    A drop-in for :class:`torch.optim.Adagrad`: the same positional parameters,
+    defaults and flags, and with ``relevant=1.0`` (``T = n``, every element
+    relevant) and everything else as given to ``Adagrad`` it *is* Adagrad,
+    step for step, on every path (fused, foreach, single-tensor), including
+    ``maximize``, ``weight_decay``, ``lr_decay`` and a tensor ``lr``. The
+    prunAdag arguments are keyword-only.
+
+    The paper's experiments use ``lr=1, eps=0, initial_accumulator_value=0.01``
+    (:math:`\varsigma = 1/100`, eq. 2.15), which differ from Adagrad's
+    defaults: pass them explicitly, e.g.
+    ``PrunAdag(params, lr=1.0, eps=0.0, initial_accumulator_value=0.01, relevant=0.1, version=3)``.
+
     Args:
         params: parameters or param groups. A group key ``prune`` (default True)
             set to False makes that group take the plain Adagrad step (biases,
             norms) and keeps it out of ``n``, ``T`` and ``r``.
-        lr: learning rate (the paper uses 1).
-        relevant: ``T`` of eq. 2.6: an int (``1 <= T <= n``) or a float in (0, 1]
-            giving ``T = ceil(relevant * n)`` (of the decimal fraction: ``0.07`` of
-            100 is 7; see :func:`prunopt.reference.resolve_relevant`).
-            ``relevant=1.0`` is Adagrad exactly.
-        version: 1, 2, 3, 4 (Table 1) or ``"relevant_only"`` (``O = R``, the
-            paper's ablation of section 3.1.1; its shrink uses version 3's ``a``).
-        scope: ``"global"`` (one top-T set and ratio over all pruned groups, the
-            paper's reading), ``"group"`` (per param group) or ``"tensor"``.
+        lr: learning rate, a float or a one-element tensor (default 1e-2; the
+            paper uses 1).
         lr_decay: ``lr_k = lr / (1 + k lr_decay)``.
-        weight_decay: ``g <- g + weight_decay * x`` (applied before ``maximize``).
+        weight_decay: ``g <- g + weight_decay * x``, applied after ``maximize``
+            (torch.optim's order: the decay shrinks ``x`` when maximising too).
         initial_accumulator_value: ``ς``, the start of both :math:`(w^O)^2` and
-            :math:`(w^D)^2` (eq. 2.15; the paper uses 0.01).
+            :math:`(w^D)^2` (eq. 2.15; default 0 as in Adagrad, the paper uses 0.01).
         eps: added to :math:`w^O` and :math:`w^D` in the denominators (paper: 0).
-        maximize: negate the (weight-decayed) gradient.
         foreach, fused: choose the implementation; by default the fused kernel
             when the extension has one for the device and dtype, else (as in
             ``torch.optim``) foreach on CUDA and the single-tensor loop on the
             CPU. ``foreach=False`` runs the readable single-tensor reference.
+            ``fused=True`` takes float16/bfloat16 parameters as
+            ``torch.optim.Adagrad(fused=True)`` does: computed in float32,
+            parameters and state stored in the parameters' dtype.
+        maximize: maximise the objective (``g <- -g`` first).
+        differentiable: must be False (the sets R, A and D are chosen by
+            comparisons; ``True`` raises ``ValueError``).
+        relevant: ``T`` of eq. 2.6, keyword-only: an int (``1 <= T <= n``) or a
+            float in (0, 1] giving ``T = ceil(relevant * n)`` (of the decimal
+            fraction: ``0.07`` of 100 is 7; see
+            :func:`prunopt.reference.resolve_relevant`). ``relevant=1.0`` is Adagrad.
+        version: keyword-only; 1, 2, 3, 4 (Table 1) or ``"relevant_only"``
+            (``O = R``, the paper's ablation of section 3.1.1; its shrink uses
+            version 3's ``a``).
+        scope: keyword-only; ``"global"`` (one top-T set and ratio over all
+            pruned groups, the paper's reading), ``"group"`` (per param group)
+            or ``"tensor"``.
 
-    State per parameter: ``step`` (tensor), ``sum`` (:math:`(w^O)^2`) and
-    ``decrease_sum`` (:math:`(w^D)^2`).
+    State per parameter: ``step`` (tensor), ``sum`` (:math:`(w^O)^2`, the
+    Adagrad accumulator) and ``decrease_sum`` (:math:`(w^D)^2`). The state
+    follows its parameter: after ``model.double()`` or ``model.to(device)``
+    the accumulators are cast to the parameter's dtype and device at the next
+    step (as ``load_state_dict`` casts them).
 
     Non-finite gradients: a step whose (effective) gradient has a NaN or inf
     anywhere changes nothing (no parameter, no accumulator of any scope). On
     the CPU it raises ``ValueError`` (and no step counter advances). On CUDA
-    raising would need a host synchronisation, so the step is skipped on the
-    device instead: the step counters (kept on the device for CUDA params, as
-    in ``torch.optim.Adagrad(fused=True)``) do not advance, and
-    :attr:`found_nonfinite` (a float32 device tensor) is 1 after a skipped step
-    and 0 otherwise — read it when convenient (e.g. with the loss).
+    raising would need a host synchronisation, and under ``torch.compile`` a
+    graph break, so there the step is skipped instead: the step counters (kept
+    on the device for CUDA params, as in ``torch.optim.Adagrad(fused=True)``)
+    do not advance, and :attr:`found_nonfinite` (a float32 tensor on the
+    params' device) is 1 after a skipped step and 0 otherwise — read it when
+    convenient (e.g. with the loss).
+
+    ``torch.compile(optimizer.step)``: the fused and foreach paths read nothing
+    on the host (no graph break), a tensor ``lr`` changed by a scheduler needs
+    no recompilation and a float one one (as for ``torch.optim.Adagrad``).
 
     Long runs: the decreasable weights decay geometrically towards 0 (eq. 2.16)
     and in float32 reach the denormals after ~10^3 steps of a consistent sign;
@@ -463,26 +591,29 @@ class PrunAdag(torch.optim.Optimizer):
     def __init__(
         self,
         params,
-        lr: float = 1e-2,
+        lr=1e-2,
+        lr_decay: float = 0,
+        weight_decay: float = 0,
+        initial_accumulator_value: float = 0,
+        eps: float = 1e-10,
+        foreach: Optional[bool] = None,
+        *,
+        maximize: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         relevant=0.1,
         version=3,
         scope: str = "global",
-        lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
-        initial_accumulator_value: float = 0.01,
-        eps: float = 1e-10,
-        maximize: bool = False,
-        foreach: Optional[bool] = None,
-        fused: Optional[bool] = None,
     ):
         defaults = dict(
-            lr=lr, relevant=_normalize_relevant(relevant), version=version, scope=scope, lr_decay=lr_decay, weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize, foreach=foreach,
-            fused=fused, prune=True,
+            lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, foreach=foreach, maximize=maximize,
+            differentiable=differentiable, fused=fused, relevant=_normalize_relevant(relevant), version=version,
+            scope=scope, prune=True,
         )
         _check_hyper(dict(defaults))
         super().__init__(params, defaults)
-        self.found_nonfinite: Optional[Tensor] = None  # set by fused CUDA steps
+        self.found_nonfinite: Optional[Tensor] = None  # set by steps that skip instead of raising
         self._check_consistency()
         total = sum(p.numel() for g in self.param_groups if g["prune"] for p in g["params"])
         for g in self.param_groups:
@@ -492,7 +623,13 @@ class PrunAdag(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_state(p, group)
 
-    def _init_state(self, p: Tensor, group: dict) -> None:
+    def _init_state(self, p: Tensor, group: dict) -> dict:
+        """The state of ``p``: created on first use (both accumulators at the
+        group's ``initial_accumulator_value``, eq. 2.15; ``step`` 0), and made
+        to follow ``p`` when its dtype or device changed since (a model cast
+        after the optimizer was built): the accumulators are cast, as
+        ``load_state_dict`` does; a state left on the meta device (a model
+        materialised with ``to_empty``) holds no values and starts afresh."""
         state = self.state[p]
         if len(state) == 0:
             v = group["initial_accumulator_value"]
@@ -500,15 +637,34 @@ class PrunAdag(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if p.is_cuda else None)
             state["sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
             state["decrease_sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)
+            return state
+        dtype, dev = p.dtype, p.device
+        for key in ("sum", "decrease_sum"):
+            t = state.get(key)
+            if isinstance(t, Tensor) and (t.dtype != dtype or t.device != dev) and t.shape == p.shape:
+                if t.is_meta and not p.is_meta:
+                    state[key] = torch.full_like(p, group["initial_accumulator_value"],
+                                                 memory_format=torch.preserve_format)
+                else:
+                    state[key] = t.to(dtype=dtype, device=dev)
+        st = state.get("step")
+        if isinstance(st, Tensor) and st.device != dev and (p.is_cuda or st.is_meta):
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=dev if p.is_cuda else None) if st.is_meta
+                             else st.to(dev if p.is_cuda else "cpu"))
+        return state
 
     def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; the group is validated
+        like the constructor's arguments (and, with ``scope="global"``, must
+        agree with the others on ``relevant`` and ``version``) and is not added
+        when it fails."""
         if isinstance(param_group, dict) and "relevant" in param_group:
             param_group = {**param_group, "relevant": _normalize_relevant(param_group["relevant"])}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             _check_hyper(group)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RuntimeError):
             self.param_groups.pop()
             raise
         if hasattr(self, "state") and self.state is not None and len(self.param_groups) > 1:
@@ -531,41 +687,48 @@ class PrunAdag(torch.optim.Optimizer):
                 if len(vals) > 1:
                     raise ValueError(f"with scope='global', {key} must be the same in every pruned param group, got {sorted(vals)}")
 
+    # group keys a state dict of an older PrunAdag (or of torch.optim.Adagrad)
+    # may lack, with the value they take when the optimizer's defaults lack them too
+    _GROUP_DEFAULTS = dict(lr_decay=0, weight_decay=0, eps=1e-10, initial_accumulator_value=0, foreach=None,
+                           maximize=False, differentiable=False, fused=None, relevant=0.1, version=3,
+                           scope="global", prune=True)
+
     def __setstate__(self, state: dict) -> None:
+        """Loads a pickled optimizer or (through ``load_state_dict``) a state
+        dict. Group keys missing from older state dicts take the optimizer's
+        defaults (``prune``: True); a state without ``decrease_sum`` (e.g. a
+        ``torch.optim.Adagrad`` one) gets it at the group's
+        ``initial_accumulator_value``; a non-tensor ``step`` becomes a tensor.
+        Step counts that are not finite and >= 0 raise ``ValueError`` before
+        anything is loaded."""
+        steps = [s["step"] for s in (state.get("state") or {}).values() if isinstance(s, dict) and "step" in s]
+        _check_steps([st if torch.is_tensor(st) else torch.tensor(float(st)) for st in steps], name="state 'step'")
         super().__setstate__(state)
+        defaults = getattr(self, "defaults", None) or {}
         for group in self.param_groups:
-            group.setdefault("relevant", 0.1)
-            group.setdefault("version", 3)
-            group.setdefault("scope", "global")
-            group.setdefault("prune", True)
-            group.setdefault("foreach", None)
-            group.setdefault("fused", None)
-            group.setdefault("maximize", False)
-            group.setdefault("lr_decay", 0.0)
-            group.setdefault("weight_decay", 0.0)
-            group.setdefault("eps", 1e-10)
-            group.setdefault("initial_accumulator_value", 0.01)
+            for key, value in self._GROUP_DEFAULTS.items():
+                group.setdefault(key, True if key == "prune" else defaults.get(key, value))
         self.__dict__.setdefault("found_nonfinite", None)  # not pickled by Optimizer.__getstate__
-        for s in self.state.values():
-            if "step" in s and not torch.is_tensor(s["step"]):
-                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
-        # a state without decrease_sum (e.g. torch.optim.Adagrad's): the decrease
-        # accumulator starts where the group's accumulators start (eq. 2.15)
         for group in self.param_groups:
             for p in group["params"]:
                 s = self.state.get(p)
-                if s and "sum" in s and "decrease_sum" not in s:
+                if not s:
+                    continue
+                if "step" in s and not torch.is_tensor(s["step"]):
+                    s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32,
+                                             device=p.device if p.is_cuda else None)
+                # the decrease accumulator starts where the group's accumulators start (eq. 2.15)
+                if "sum" in s and "decrease_sum" not in s:
                     s["decrease_sum"] = torch.full_like(s["sum"], group["initial_accumulator_value"])
 
     def _scopes(self) -> List[_Scope]:
         scope_kind = self.param_groups[0]["scope"] if self.param_groups else "global"
         out: List[_Scope] = []
         shared: Dict[str, _Scope] = {}
-        state_of = self.state
         for gi, group in enumerate(self.param_groups):
             # per group: the scope key and the hyper-parameters (shared by its tensors)
-            lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
-            hyper = TensorHyper(lr=float(lr), lr_decay=group["lr_decay"], weight_decay=group["weight_decay"],
+            # a tensor lr stays a tensor (no host read; under torch.compile a graph input)
+            hyper = TensorHyper(lr=group["lr"], lr_decay=group["lr_decay"], weight_decay=group["weight_decay"],
                                 eps=group["eps"], maximize=group["maximize"], prune=group["prune"])
             if not group["prune"]:
                 group_key = "adagrad"
@@ -575,9 +738,7 @@ class PrunAdag(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                state = state_of[p]
-                if len(state) == 0:
-                    self._init_state(p, group)
+                state = self._init_state(p, group)  # created, or cast to follow p
                 key = group_key if group_key is not None else f"t{id(p)}"
                 s = shared.get(key)
                 if s is None:
@@ -616,7 +777,9 @@ class PrunAdag(torch.optim.Optimizer):
         _check_grads(scopes)  # sparse / complex: TypeError before the path is chosen (fused=True)
         impl = _choose_impl(tensors, group0["foreach"], group0["fused"])
         flag = None
-        if impl == "fused" and tensors[0].is_cuda:
+        if (impl == "fused" and tensors[0].is_cuda) or torch.compiler.is_compiling():
+            # skip instead of raising: raising would need a host synchronisation
+            # (CUDA) or a graph break (torch.compile)
             flag = torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
             self.found_nonfinite = flag
         _run_scopes(scopes, impl, flag)

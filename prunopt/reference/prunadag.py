@@ -45,7 +45,8 @@ def step_lr(lr, lr_decay, k):
 @dataclass
 class TensorHyper:
     """Hyper-parameters of one tensor's param group and its step counter ``k``
-    (0 on the first step)."""
+    (0 on the first step). ``lr`` may be a one-element tensor (a tensor
+    learning rate, as ``torch.optim`` accepts); ``lr_k`` is then a tensor."""
 
     lr: float
     k: float = 0.0
@@ -132,9 +133,11 @@ def ieee_sqrt(t: Tensor) -> Tensor:
 
 
 def effective_grad(x: Tensor, g: Tensor, hp: TensorHyper) -> Tensor:
-    """Step 1: ``g <- g + weight_decay * x``, then ``g <- -g`` if maximize."""
-    d = g if hp.weight_decay == 0 else g.add(x, alpha=hp.weight_decay)
-    return -d if hp.maximize else d
+    """Step 1, in the order of ``torch.optim.Adagrad``: ``g <- -g`` if
+    maximize, then ``g <- g + weight_decay * x`` (so that weight decay shrinks
+    ``x`` whether minimising or maximising)."""
+    d = -g if hp.maximize else g
+    return d if hp.weight_decay == 0 else d.add(x, alpha=hp.weight_decay)
 
 
 def prunadag_step_reference(
@@ -179,6 +182,8 @@ def prunadag_step_reference(
         ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
         for x, g, so, sd, r, m, hp in zip(params, gs, opt_sums, dec_sums, rel, match, hypers):
             lr_k = hp.lr_k
+            if isinstance(lr_k, Tensor):  # a tensor lr of any one-element shape
+                lr_k = lr_k.reshape(())
             # Step 3, eq. 2.7: tentative (w^O)^2 and the Adagrad step of eq. 2.9
             so_new = so.addcmul(g, g, value=1)
             std = ieee_sqrt(so_new).add_(hp.eps)

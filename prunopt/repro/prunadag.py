@@ -106,9 +106,9 @@ def make_optimizer(method: str, x: torch.Tensor, T: int, fw=(50.0, 100.0, 0.001)
     if method.startswith("V"):
         return PrunAdag([x], lr=1.0, relevant=T, version=int(method[1]), eps=0.0, initial_accumulator_value=0.01)
     if method == "FW1":
-        return SFW([x], radius=fw[0], relevant=T, step_rule="fw1")
+        return SFW([x], lr=1.0, rescale="fw1", radius=fw[0], relevant=T)
     if method == "FW2":
-        return SFW([x], radius=fw[1], relevant=T, step_rule="fw2", beta=fw[2])
+        return SFW([x], lr=fw[2], rescale="fw2", radius=fw[1], relevant=T)
     if method == "Adagrad":
         return torch.optim.Adagrad([x], lr=1.0, eps=0.0, initial_accumulator_value=0.01)
     raise ValueError(f"unknown method {method!r}")

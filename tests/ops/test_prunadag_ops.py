@@ -144,6 +144,39 @@ def test_step_float32_against_float64_reference():
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("maximize, wd", [(False, 0.0), (True, 0.1)])
+def test_step_reduced_precision_is_float32_rounded_once(dtype, maximize, wd):
+    """float16 / bfloat16 (as torch.optim.Adagrad(fused=True) does them): the
+    float32 step on the stored values, every output rounded once to the dtype,
+    bit for bit; a non-contiguous parameter and a non-finite gradient too."""
+    xs, gs, so, sd = _case([4097, 13, 70], torch.float32, 7, False)
+    xs[2] = torch.randn(10, 7).t()  # non-contiguous
+    so[2], sd[2], gs[2] = (t.reshape(7, 10) for t in (so[2], sd[2], gs[2]))
+    low = [[t.to(dtype) for t in lst] for lst in (xs, gs, so, sd)]
+    hypers = [TensorHyper(lr=0.3, k=1.0, lr_decay=0.1, weight_decay=wd, eps=1e-8, maximize=maximize) for _ in xs]
+    hyp = _hyper_tensor(hypers)
+    ref = [[t.float() for t in lst] for lst in (low[0], low[2], low[3])]
+    torch.ops.prunopt.prunadag_step_(ref[0], ref[1], ref[2], [g.float() for g in low[1]], hyp, 400, 3)
+    out = [[t.clone() for t in lst] for lst in (low[0], low[2], low[3])]
+    torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], low[1], hyp, 400, 3)
+    for lo, lr in zip(out, ref):
+        for a, b in zip(lo, lr):
+            assert a.dtype == dtype and torch.equal(a, b.to(dtype))
+    bad = [g.clone() for g in low[1]]
+    bad[1][3] = math.nan
+    before = [[t.clone() for t in lst] for lst in out]
+    with pytest.raises(ValueError, match="non-finite"):
+        torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], bad, hyp, 400, 3)
+    flag = torch.zeros(1)
+    torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], bad, hyp, 400, 3, flag)
+    assert flag.item() == 1.0
+    assert all(torch.equal(a, b) for lo, lb in zip(out, before) for a, b in zip(lo, lb))
+    with pytest.raises(ValueError, match="grads"):  # lists of mixed dtypes are not upcast silently
+        torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], [low[1][0].float()] + low[1][1:], hyp, 400, 3)
+
+
+@needs_ext
 def test_step_noncontiguous_and_channels_last():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 3, 5, 5, generator=g).to(memory_format=torch.channels_last)
@@ -313,6 +346,7 @@ def _large_step_case(kind, dtype, seed=0):
     ("normal", torch.float32, 3, 0.0, False, 0.1),
     ("normal", torch.float64, 1, 0.1, True, 0.3),
     ("list", torch.float32, 3, 0.1, False, 0.05),
+    ("list", torch.float32, 1, 0.1, True, 0.05),  # maximize with weight decay: -g + wd x in every pass
     ("list", torch.float64, 0, 0.0, True, 0.5),
     ("ties", torch.float32, 3, 0.0, False, 0.1),
     ("ties", torch.float32, 2, 0.1, False, 0.2),

@@ -56,7 +56,8 @@ def _torch_sqrt_is_ieee(dtype):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype, hp", [(torch.float64, dict())] + [
     (torch.float32, hp) for hp in [dict(), dict(weight_decay=0.05), dict(maximize=True), dict(lr_decay=0.3),
-                                   dict(initial_accumulator_value=0.5, eps=1e-3)]])
+                                   dict(initial_accumulator_value=0.5, eps=1e-3),
+                                   dict(maximize=True, weight_decay=0.05)]])
 def test_relevant_one_is_adagrad(path, dtype, hp):
     """prunAdag (Porcelli et al.): relevant=1.0 (T = n) is torch.optim.Adagrad step for step."""
     kw = dict(lr=0.3, initial_accumulator_value=hp.get("initial_accumulator_value", 0.01), eps=hp.get("eps", 1e-10),
@@ -79,11 +80,11 @@ def _groups_with_bias(ps):
 
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "single"])
 @pytest.mark.parametrize("version", [1, 2, 3, 4, "relevant_only"])
-@pytest.mark.parametrize("scope, dtype", [("global", torch.float32), ("global", torch.float64),
-                                          ("group", torch.float64), ("tensor", torch.float32)])
-def test_paths_match_single_tensor(path, version, scope, dtype):
+@pytest.mark.parametrize("scope, dtype, maximize", [("global", torch.float32, False), ("global", torch.float64, True),
+                                                    ("group", torch.float64, False), ("tensor", torch.float32, True)])
+def test_paths_match_single_tensor(path, version, scope, dtype, maximize):
     hp = dict(lr=0.5, relevant=0.15, version=version, scope=scope, weight_decay=0.01, lr_decay=0.05,
-              initial_accumulator_value=0.01, eps=1e-10)
+              initial_accumulator_value=0.01, eps=1e-10, maximize=maximize)
     ref, ro = _run(lambda p: PrunAdag(p, foreach=False, **hp), dtype, groups=_groups_with_bias)
     out, oo = _run(lambda p: PrunAdag(p, **hp, **_path_kwargs(path)), dtype, groups=_groups_with_bias)
     for a, b in zip(out, ref):
@@ -189,7 +190,8 @@ def test_lr_scheduler(path):
 
 def test_functional_matches_class():
     dtype = torch.float64
-    ps, _ = _run(lambda p: PrunAdag(p, lr=0.5, relevant=0.1, version=4, foreach=False), dtype)
+    ps, _ = _run(lambda p: PrunAdag(p, lr=0.5, relevant=0.1, version=4, initial_accumulator_value=0.01,
+                                    foreach=False), dtype)
     ps2 = _params(dtype)
     so = [torch.full_like(p, 0.01) for p in ps2]
     sd = [torch.full_like(p, 0.01) for p in ps2]
@@ -210,7 +212,7 @@ def test_fallback_without_extension(monkeypatch):
     monkeypatch.setattr(pa_mod, "extension_available", lambda: False)
     assert pa_mod._choose_impl([torch.zeros(3)], None, None) == "single"
     assert pa_mod._choose_impl([torch.zeros(3)], True, None) == "foreach"
-    with pytest.raises(ValueError, match="fused"):
+    with pytest.raises(RuntimeError, match="fused"):
         PrunAdag(_params(torch.float32), fused=True)
     out, _ = _run(lambda p: PrunAdag(p, relevant=0.2), torch.float64)
     ref, _ = _run(lambda p: PrunAdag(p, relevant=0.2, foreach=False), torch.float64)
@@ -256,12 +258,136 @@ def test_compiled_step(path):
         (dict(weight_decay=-0.1), "weight_decay"),
         (dict(lr_decay=-0.1), "lr_decay"),
         (dict(initial_accumulator_value=-1.0), "initial_accumulator_value"),
-        (dict(foreach=True, fused=True), "fused"),
+        (dict(lr=torch.tensor([0.1, 0.2])), "Tensor lr must be 1-element"),
+        (dict(differentiable=True), "differentiable"),
     ],
 )
 def test_invalid_hyper_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PrunAdag(_params(torch.float32), **kwargs)
+
+
+def test_flag_errors_are_torch_optims():
+    """torch.optim.Adagrad's error types and messages for its flags."""
+    for cls in (torch.optim.Adagrad, PrunAdag):
+        with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+            cls(_params(torch.float32), foreach=True, fused=True)
+        with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+            cls(_params(torch.float32), lr=torch.tensor([0.1, 0.2]))
+        with pytest.raises(ValueError, match="Invalid lr_decay value: -0.5"):
+            cls(_params(torch.float32), lr_decay=-0.5)
+        with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+            cls(_params(torch.float32), lr=-1.0)
+
+
+def test_signature_defaults_and_flags_are_adagrads():
+    """Adagrad's positional parameters, defaults and flags; the prunAdag
+    arguments are keyword-only (a fourth positional is weight_decay, as in
+    Adagrad, never relevant)."""
+    import inspect
+
+    sig, ada = inspect.signature(PrunAdag), inspect.signature(torch.optim.Adagrad)
+    for name, p in ada.parameters.items():
+        assert sig.parameters[name].kind == p.kind and sig.parameters[name].default == p.default, name
+    assert list(sig.parameters)[:len(ada.parameters)] == list(ada.parameters)
+    for name in ("relevant", "version", "scope"):
+        assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    ps = _params(torch.float32, sizes=[(4, 5)])
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    opt = PrunAdag(ps, 0.1, 0.0, 0.5, 0.2, relevant=1.0)  # lr, lr_decay, weight_decay, initial_accumulator_value
+    ada_opt = torch.optim.Adagrad(ref, 0.1, 0.0, 0.5, 0.2)
+    group, ada_group = opt.param_groups[0], ada_opt.param_groups[0]
+    assert {k: v for k, v in group.items() if k in ada_group and k != "params"} == \
+        {k: v for k, v in ada_group.items() if k != "params"}
+    for it in range(3):
+        _set_grads(ps, it, torch.float32)
+        _set_grads(ref, it, torch.float32)
+        opt.step()
+        ada_opt.step()
+    torch.testing.assert_close(ps[0], ref[0])
+
+
+def test_default_is_adagrad_default():
+    """PrunAdag(params, relevant=1.0) with every other argument at its default
+    is torch.optim.Adagrad(params) (initial_accumulator_value 0, not the
+    paper's 0.01), on every path."""
+    for path in PATHS:
+        ref, _ = _run(lambda p: torch.optim.Adagrad(p), torch.float64)
+        out, _ = _run(lambda p: PrunAdag(p, relevant=1.0, **_path_kwargs(path)), torch.float64)
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b, atol=1e-14, rtol=1e-14)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_maximize_with_weight_decay_shrinks_like_adagrad(path):
+    """maximize flips the sign first, then weight decay is added: a zero
+    gradient with weight decay shrinks |x| when maximising too."""
+    x = torch.tensor([1.0, -2.0], requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    opt = PrunAdag([x], lr=0.1, relevant=1.0, weight_decay=1.0, maximize=True, **_path_kwargs(path))
+    ada = torch.optim.Adagrad([y], lr=0.1, weight_decay=1.0, maximize=True)
+    x.grad, y.grad = torch.zeros(2), torch.zeros(2)
+    opt.step()
+    ada.step()
+    torch.testing.assert_close(x.detach(), torch.tensor([0.9, -1.9]))
+    torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [-1.0, math.nan])
+def test_functional_rejects_bad_step_counts(path, bad):
+    """prunadag(...) with a step count that is not finite and >= 0: ValueError,
+    nothing written (it used to divide by zero, or turn every parameter NaN)."""
+    x = [torch.randn(5), torch.randn(3)]
+    x0 = [t.clone() for t in x]
+    so = [torch.full_like(t, 0.01) for t in x]
+    sd = [torch.full_like(t, 0.01) for t in x]
+    steps = [torch.tensor(2.0), torch.tensor(bad)]
+    with pytest.raises(ValueError, match="step"):
+        prunadag(x, [torch.randn(5), torch.randn(3)], so, sd, steps, relevant=0.5, **_path_kwargs(path))
+    assert all(torch.equal(a, b) for a, b in zip(x, x0))
+    assert steps[0].item() == 2.0
+    assert all(torch.equal(t, torch.full_like(t, 0.01)) for t in so + sd)
+
+
+def test_paper_settings_are_documented_and_used_by_repro():
+    doc = PrunAdag.__doc__
+    assert "lr=1.0, eps=0.0, initial_accumulator_value=0.01" in doc
+    from prunopt.repro.prunadag import make_optimizer
+
+    opt = make_optimizer("V3", torch.zeros(10, dtype=torch.float64, requires_grad=True), 2)
+    g = opt.param_groups[0]
+    assert (g["lr"], g["eps"], g["initial_accumulator_value"]) == (1.0, 0.0, 0.01)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_reduced_precision_is_float32_rounded_once(dtype):
+    """fused=True on float16/bfloat16 as torch.optim.Adagrad(fused=True) does
+    it: the float32 step on the stored values, parameters and accumulators
+    rounded once to the dtype (bit for bit), state in the parameters' dtype."""
+    ps = [p.detach().to(dtype).requires_grad_() for p in _params(torch.float32, sizes=[(70, 30), (13,)])]
+    ref = [p.detach().float().requires_grad_() for p in ps]
+    kw = dict(lr=0.05, relevant=0.2, weight_decay=0.01, maximize=True, initial_accumulator_value=0.01, fused=True)
+    opt, opt_ref = PrunAdag(ps, **kw), PrunAdag(ref, **kw)
+    for p, r in zip(ps, ref):  # the accumulators start at 0.01 rounded to the dtype
+        for key in ("sum", "decrease_sum"):
+            opt_ref.state[r][key].copy_(opt.state[p][key])
+    for it in range(4):
+        _set_grads(ps, it, dtype)
+        for p, r in zip(ps, ref):
+            r.grad = p.grad.float()
+        opt.step()
+        opt_ref.step()
+        for p, r in zip(ps, ref):
+            assert opt.state[p]["sum"].dtype == dtype and opt.state[p]["decrease_sum"].dtype == dtype
+            assert torch.equal(p.detach(), r.detach().to(dtype))
+            for key in ("sum", "decrease_sum"):
+                assert torch.equal(opt.state[p][key], opt_ref.state[r][key].to(dtype))
+            with torch.no_grad():  # the float32 run continues from the rounded values
+                r.copy_(p)
+                for key in ("sum", "decrease_sum"):
+                    opt_ref.state[r][key].copy_(opt.state[p][key])
 
 
 def test_invalid_param_groups():

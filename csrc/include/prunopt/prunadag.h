@@ -50,10 +50,11 @@ PRUNOPT_HD T value_of_key(typename KeyOf<T>::type k) {
   return v;
 }
 
-// Step 1: g <- g + weight_decay * x, then -g if maximize (sgn = -1).
+// Step 1, in the order of torch.optim.Adagrad: g <- -g if maximize (sgn = -1),
+// then g <- g + weight_decay * x (so weight decay shrinks x under maximize too).
 template <typename T>
 PRUNOPT_HD T effective_grad(T x, T g, T wd, T sgn) {
-  return (g + wd * x) * sgn;
+  return g * sgn + wd * x;
 }
 
 // Width (bits) of radix digit `pass` (16, then the rest in 16-bit steps).

@@ -41,7 +41,7 @@ def run(args, job=None) -> Summary:
     relevant = args.prunadag_relevant if getattr(args, "prunadag_relevant", None) is not None else max(args.density, 1e-6)
     version = getattr(args, "prunadag_version", 3)
     opt = PrunAdag([dict(params=weights), dict(params=others, prune=False)], lr=args.lr if args.lr is not None else 0.2,
-                   relevant=float(relevant), version=version)
+                   eps=0.0, initial_accumulator_value=0.01, relevant=float(relevant), version=version)
     epochs = args.epochs or 15
     gen = torch.Generator().manual_seed(args.seed)
     job.track(data_order=gen, model=model, optimizer=opt)
