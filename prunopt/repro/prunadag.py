@@ -162,12 +162,15 @@ def sparse_start(n: int, T: int, g: torch.Generator) -> torch.Tensor:
     return x / x.norm()
 
 
-def least_squares_problems(problem: str, runs: int, seed: int, m: int = 100, n: int = 1000, rhs: str = "paper"):
+def least_squares_problems(problem: str, runs: int, seed: int, m: int = 100, n: int = 1000, rhs: str = "paper",
+                           offset: int = 0):
     """The ``runs`` instances of one problem, stacked: ``A`` ``(runs, m, n)``,
     ``b`` ``(runs, m)``, starts ``x0`` ``(runs, n)``. Run ``r`` draws its matrix
     from one generator and ``x*`` and its start from another, both seeded by
     ``(seed, r, problem)``; A6 and A6r share ``x*`` and the start.
-    ``rhs="unit"`` rescales ``b`` to unit norm (an investigation option)."""
+    ``rhs="unit"`` rescales ``b`` to unit norm (an investigation option);
+    ``offset`` starts at run ``offset`` (runs ``offset .. offset + runs - 1``,
+    for runs split over processes)."""
     if rhs not in ("paper", "unit"):
         raise ValueError(f"rhs must be 'paper' or 'unit', got {rhs!r}")
     T = n // 10
@@ -175,7 +178,7 @@ def least_squares_problems(problem: str, runs: int, seed: int, m: int = 100, n: 
     if idx is None:
         raise ValueError(f"unknown problem {problem!r}; expected one of {ALL_PROBLEMS}")
     As, bs, x0s = [], [], []
-    for r in range(runs):
+    for r in range(offset, offset + runs):
         base = seed * 1000 + r * 17 + idx
         A = make_matrix(problem, m, n, torch.Generator().manual_seed(base))
         g = torch.Generator().manual_seed(base + 500)
@@ -430,7 +433,7 @@ def run_least_squares(problem: str, method: str, runs: int, iters: int, seed: in
 
 
 def least_squares(runs: int, iters: int, seed: int, show_progress: bool, problems=ALL_PROBLEMS, m: int = 100,
-                  n: int = 1000, methods=METHODS):
+                  n: int = 1000, methods=METHODS, offset: int = 0):
     """``{"rho": {p: {meth: {sigma: mean}}}, "omega": ..., "convergence": {p: {meth: {...}}}}``."""
     from prunopt.train.loop import progress
 
@@ -440,7 +443,7 @@ def least_squares(runs: int, iters: int, seed: int, show_progress: bool, problem
     for p, meth in progress(jobs, "prunadag least squares", show_progress):
         if p not in cache:
             cache.clear()
-            cache[p] = least_squares_problems(p, runs, seed, m, n)
+            cache[p] = least_squares_problems(p, runs, seed, m, n, offset=offset)
         rho, omega, conv = run_least_squares(p, meth, runs, iters, seed, m, n, problems=cache[p])
         for key, val in (("rho", rho), ("omega", omega), ("convergence", conv)):
             out[key].setdefault(p, {})[meth] = val
@@ -515,17 +518,13 @@ def logistic(runs: int, iters: int, seed: int, show_progress: bool, datasets=LOG
 INVESTIGATIONS = {
     "fw2": [
         ("FW2 as read (tau2=100, beta=1e-3, ||g||_R)", "FW2", "A1", {}),
-        ("beta = 1e-4", "FW2", "A1", {"fw": (50.0, 100.0, 1e-4)}),
         ("beta = 1e-2", "FW2", "A1", {"fw": (50.0, 100.0, 1e-2)}),
         ("beta = 0.1", "FW2", "A1", {"fw": (50.0, 100.0, 0.1)}),
         ("tau2 = 10", "FW2", "A1", {"fw": (50.0, 10.0, 1e-3)}),
-        ("tau2 = 50", "FW2", "A1", {"fw": (50.0, 50.0, 1e-3)}),
         ("tau2 = 1000", "FW2", "A1", {"fw": (50.0, 1000.0, 1e-3)}),
-        ("step with ||g|| (not ||g||_R)", "FW2", "A1", {"fw2_rule": "full_grad"}),
         ("b scaled to unit norm", "FW2", "A1", {"rhs": "unit"}),
-        ("FW2 as read", "FW2", "A3", {}),
+        ("step with ||g|| (not ||g||_R)", "FW2", "A1", {"fw2_rule": "full_grad"}),
         ("step with ||g||", "FW2", "A3", {"fw2_rule": "full_grad"}),
-        ("FW2 as read", "FW2", "A5", {}),
         ("step with ||g||", "FW2", "A5", {"fw2_rule": "full_grad"}),
     ],
     "fw1": [
@@ -533,7 +532,6 @@ INVESTIGATIONS = {
         ("half the iteration limit (5e3)", "FW1", "A1", {"iters_fraction": 0.5}),
         ("tau1 = 25", "FW1", "A1", {"fw": (25.0, 100.0, 1e-3)}),
         ("tau1 = 100", "FW1", "A1", {"fw": (100.0, 100.0, 1e-3)}),
-        ("b scaled to unit norm", "FW1", "A1", {"rhs": "unit"}),
     ],
     "v1": [
         ("V1 as read (ratio over M)", "V1", "A1", {}),
@@ -542,7 +540,6 @@ INVESTIGATIONS = {
         ("ratio over the previous step's D ∩ M", "V1", "A1", {"ratio_set": "prev_D"}),
         ("b scaled to unit norm", "V1", "A1", {"rhs": "unit"}),
         ("V3, ratio over the previous step's D ∩ M", "V3", "A1", {"ratio_set": "prev_D"}),
-        ("V3, ratio over the whole x", "V3", "A1", {"ratio_set": "all"}),
     ],
     "v2": [
         ("V2 as read, 1e4 iterations", "V2", "A1", {}),
@@ -815,6 +812,8 @@ def add_arguments(parser) -> None:
                         "random DCT rows; none: the logistic regression alone)")
     g.add_argument("--prunadag-methods", default=None,
                    help=f"prunadag: comma-separated subset of {','.join(METHODS)} (default all; for runs in pieces)")
+    g.add_argument("--prunadag-run-offset", type=int, default=0,
+                   help="prunadag: first run of the least squares (runs split over processes; merged by run count)")
     g.add_argument("--prunadag-merge", default=None,
                    help="prunadag: comma-separated folders of earlier runs; write their combined report to --out")
     g.add_argument("--prunadag-investigate", default=None,
@@ -823,12 +822,12 @@ def add_arguments(parser) -> None:
 
 
 #: runs, iteration limits: the paper's (full), a few minutes (quick), seconds (tiny, for tests)
-SIZES = {"full": dict(runs=20, iters=10_000, logreg_iters=2000, investigation_runs=10),
+SIZES = {"full": dict(runs=20, iters=10_000, logreg_iters=2000, investigation_runs=5),
          "quick": dict(runs=2, iters=1000, logreg_iters=300, investigation_runs=2),
          "tiny": dict(runs=2, iters=30, logreg_iters=20, investigation_runs=2)}
 
 _KEYS = ("prunadag_runs", "prunadag_iters", "prunadag_logreg_iters", "prunadag_problems", "prunadag_methods",
-         "prunadag_investigate")
+         "prunadag_run_offset", "prunadag_investigate")
 
 
 def run(args) -> None:
@@ -856,6 +855,9 @@ def run(args) -> None:
         bad = [m for m in methods if m not in METHODS]
         if bad or not methods:
             raise ValueError(f"--prunadag-methods: unknown method(s) {bad}; expected a subset of {METHODS}")
+    offset = getattr(args, "prunadag_run_offset", 0) or 0
+    if offset < 0:
+        raise ValueError(f"--prunadag-run-offset must be >= 0, got {offset}")
     for name, v in (("--prunadag-runs", runs), ("--prunadag-iters", iters)):
         if v < 1:
             raise ValueError(f"--prunadag-runs/--prunadag-iters must be >= 1, got {name} {v}")
@@ -876,12 +878,13 @@ def run(args) -> None:
             write_investigation(records, args.out, command, args.seed, args.threads, runs_i, iters, t.seconds)
             return
         with Timer() as t_lsq:
-            lsq = least_squares(runs, iters, args.seed, args.progress, problems, methods=methods)
+            lsq = least_squares(runs, iters, args.seed, args.progress, problems, methods=methods, offset=offset)
         logreg = None
         with Timer() as t_lr:
             if lr_iters > 0:
                 logreg = logistic(runs, lr_iters, args.seed, args.progress)
-    data = {**lsq, "logistic": logreg, "runs": runs, "iters": iters, "logreg_iters": lr_iters, "seed": args.seed,
+    data = {**lsq, "logistic": logreg, "runs": runs, "run_offset": offset, "iters": iters, "logreg_iters": lr_iters,
+            "seed": args.seed,
             "threads": args.threads, "wall_s": {"least_squares": t_lsq.seconds, "logistic": t_lr.seconds}}
     write_report(data, args.out, command)
 
@@ -894,32 +897,53 @@ def _int_keys(d):
 
 
 def merge_reports(dirs) -> dict:
-    """Combines the ``prunadag.json`` of several runs (e.g. problems run in
-    separate processes): least-squares (problem, method) cells and the
-    logistic part are taken from whichever run has them; every problem must
-    end up with every method; runs, iteration limits, seed and threads must
-    agree."""
+    """Combines the ``prunadag.json`` of several runs made in separate
+    processes: least-squares (problem, method) cells, possibly split over runs
+    (``--prunadag-run-offset``; their means are combined weighted by run
+    count, the run ranges must not overlap), and the logistic part from
+    whichever run has it. Every problem must end up with every method and the
+    same number of runs; iteration limits, seed and threads must agree."""
     parts = []
     for d in dirs:
         with open(os.path.join(d, "prunadag.json")) as f:
             parts.append(_int_keys(json.load(f))["data"])
     if not parts:
         raise ValueError("--prunadag-merge: no folders given")
-    for key in ("runs", "iters", "seed", "threads"):
+    for key in ("iters", "seed", "threads"):
         vals = {p[key] for p in parts}
         if len(vals) > 1:
             raise ValueError(f"--prunadag-merge: the runs disagree on {key}: {sorted(vals)}")
-    data = {"rho": {}, "omega": {}, "convergence": {}, "logistic": None, "runs": parts[0]["runs"],
-            "iters": parts[0]["iters"], "logreg_iters": 0, "seed": parts[0]["seed"], "threads": parts[0]["threads"],
-            "wall_s": {"least_squares": 0.0, "logistic": 0.0}}
+    cells: Dict[tuple, list] = {}
     for p in parts:
-        for key in ("rho", "omega", "convergence"):
-            for prob, by_method in p[key].items():
-                data[key].setdefault(prob, {}).update(by_method)
+        for prob, by_method in p["rho"].items():
+            for meth in by_method:
+                cells.setdefault((prob, meth), []).append(p)
+    data = {"rho": {}, "omega": {}, "convergence": {}, "logistic": None, "iters": parts[0]["iters"],
+            "logreg_iters": 0, "seed": parts[0]["seed"], "threads": parts[0]["threads"],
+            "wall_s": {"least_squares": 0.0, "logistic": 0.0}}
+    totals = set()
+    for (prob, meth), ps in cells.items():
+        ranges = sorted((q.get("run_offset", 0), q.get("run_offset", 0) + q["runs"]) for q in ps)
+        if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+            raise ValueError(f"--prunadag-merge: {prob}/{meth} has overlapping runs {ranges}")
+        n = sum(q["runs"] for q in ps)
+        totals.add(n)
+        for key in ("rho", "omega"):
+            data[key].setdefault(prob, {})[meth] = {s: sum(q["runs"] * q[key][prob][meth][s] for q in ps) / n
+                                                    for s in SIGMAS}
+        cs = [q["convergence"][prob][meth] for q in ps]
+        data["convergence"].setdefault(prob, {})[meth] = {
+            "grad_norm": sum(c["runs"] * c["grad_norm"] for c in cs) / n, "converged": sum(c["converged"] for c in cs),
+            "runs": n, "mean_steps": sum(c["runs"] * c["mean_steps"] for c in cs) / n}
+    for p in parts:
         if p.get("logistic"):
             data["logistic"], data["logreg_iters"] = p["logistic"], p["logreg_iters"]
+            totals.add(p["runs"])
         for k in data["wall_s"]:
             data["wall_s"][k] += p.get("wall_s", {}).get(k, 0.0)
+    if len(totals) > 1:
+        raise ValueError(f"--prunadag-merge: the cells have different numbers of runs: {sorted(totals)}")
+    data["runs"] = totals.pop() if totals else parts[0]["runs"]
     for key in ("rho", "omega", "convergence"):
         data[key] = {p: {m: data[key][p][m] for m in METHODS if m in data[key][p]}
                      for p in ALL_PROBLEMS if p in data[key]}

@@ -11,6 +11,7 @@ from prunopt.optim import SFW
 from prunopt.reference.prunadag import TensorHyper, prunadag_step_reference
 from prunopt.repro.prunadag import (
     INVESTIGATIONS,
+    _int_keys,
     METHODS,
     batched_prunadag_step,
     dct_matrix,
@@ -233,6 +234,29 @@ def test_repro_command_tiny(tmp_path, capsys):
     rc = main(["repro", "prunadag", "--out", str(tmp_path / "m"), "--prunadag-merge",
                ",".join(str(tmp_path / d) for d in "abc")])
     assert rc == 0 and "| A6 (paper) |" in (tmp_path / "m" / "prunadag.md").read_text()
+    capsys.readouterr()
+
+
+def test_merge_of_runs_split_by_offset(tmp_path, capsys):
+    """Runs 0-2 in one process and 3-4 in another merge to the means of runs
+    0-4 in one process (rows are independent)."""
+    common = ["repro", "prunadag", "--prunadag-problems", "A2",
+              "--prunadag-iters", "40", "--prunadag-logreg-iters", "0", "--no-progress"]
+    assert main(common + ["--prunadag-runs", "5", "--out", str(tmp_path / "all")]) == 0
+    assert main(common + ["--prunadag-runs", "3", "--out", str(tmp_path / "lo")]) == 0
+    assert main(common + ["--prunadag-runs", "2", "--prunadag-run-offset", "3", "--out", str(tmp_path / "hi")]) == 0
+    whole = _int_keys(json.loads((tmp_path / "all" / "prunadag.json").read_text()))["data"]
+    merged = merge_reports([str(tmp_path / "hi"), str(tmp_path / "lo")])
+    assert merged["runs"] == 5
+    for key in ("rho", "omega"):
+        for meth in ("V3", "FW1"):
+            for s in (10, 50, 90):
+                assert merged[key]["A2"][meth][s] == pytest.approx(whole[key]["A2"][meth][s], rel=1e-12)
+    c, w = merged["convergence"]["A2"]["V3"], whole["convergence"]["A2"]["V3"]
+    assert (c["runs"], c["converged"]) == (w["runs"], w["converged"])
+    assert c["mean_steps"] == pytest.approx(w["mean_steps"]) and c["grad_norm"] == pytest.approx(w["grad_norm"])
+    with pytest.raises(ValueError, match="overlapping runs"):
+        merge_reports([str(tmp_path / "all"), str(tmp_path / "lo")])
     capsys.readouterr()
 
 
