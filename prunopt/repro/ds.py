@@ -58,7 +58,7 @@ GROUP = 4
 NORMS = ("l1", "l21")
 #: epochs, images (None: all), SmallCNN width and seeds per size
 SIZES = {"full": dict(epochs=30, limit=None, width=16, seeds=5),
-         "quick": dict(epochs=8, limit=600, width=16, seeds=2),
+         "quick": dict(epochs=15, limit=None, width=16, seeds=1),
          "tiny": dict(epochs=2, limit=150, width=4, seeds=2)}
 #: DS Table 2 (CIFAR-10, DenseNet-40-K12): channel / group sparsity %, error %, mean and std of 5 runs
 PAPER = {"l1": {"channel": (50.0, 0.6), "group": (1.7, 0.9), "error": (5.72, 0.09)},
@@ -125,8 +125,9 @@ def _plot(runs: Dict[str, List[dict]], seed: int, path: str) -> None:
     from matplotlib.patches import Patch
 
     plt = pyplot()
-    no_channel = "#cfe3f5"
-    cmap = plt.get_cmap("gray").with_extremes(bad=no_channel)
+    no_channel, zero, border = "#cfe3f5", "tab:red", "gold"
+    # exact zeros are drawn below the colour range (value -1), missing channels as masked
+    cmap = plt.get_cmap("gray").with_extremes(bad=no_channel, under=zero)
     fig = plt.figure(figsize=(12, 5.4))
     gs = fig.add_gridspec(2, 3, width_ratios=[4, 1.2, 2.2])
     for row, norm in enumerate(NORMS):
@@ -137,13 +138,13 @@ def _plot(runs: Dict[str, List[dict]], seed: int, path: str) -> None:
         img = np.full((len(gates), width), np.nan)
         for i, g in enumerate(gates):
             mag = g.abs()
-            img[i, : g.numel()] = (mag / mag.max().clamp_min(1e-30)).numpy()
-        ax.imshow(np.ma.masked_invalid(np.sqrt(img)), cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+            img[i, : g.numel()] = np.where(mag.numpy() == 0, -1.0, np.sqrt((mag / mag.max().clamp_min(1e-30)).numpy()))
+        ax.imshow(np.ma.masked_invalid(img), cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         for i, g in enumerate(gates):
             for j in range(GROUP, g.numel(), GROUP):
-                ax.plot([j - 0.5, j - 0.5], [i - 0.5, i + 0.5], color="tab:red", lw=0.6)
+                ax.plot([j - 0.5, j - 0.5], [i - 0.5, i + 0.5], color=border, lw=1.0)
         s = res["stats"]
-        ax.set_title(f"{norm} (lambda={res['lambda']}, seed {seed}): channel-wise sqrt(|a| / max |a|); "
+        ax.set_title(f"{norm} (lambda={res['lambda']}, seed {seed}): channel-wise, grey = sqrt(|a| / max |a|); "
                      f"channel sparsity {s['channel_sparsity']:.0%}", fontsize=8)
         ax.set_yticks(range(len(gates)))
         ax.set_yticklabels([f"BN{i + 1}" for i in range(len(gates))], fontsize=8)
@@ -152,16 +153,18 @@ def _plot(runs: Dict[str, List[dict]], seed: int, path: str) -> None:
         gw = width // GROUP
         gimg = np.full((len(gates), gw), np.nan)
         for i, g in enumerate(gates):
-            gimg[i, : g.numel() // GROUP] = (g.reshape(-1, GROUP) != 0).double().mean(1).numpy()
+            live = (g.reshape(-1, GROUP) != 0).double().mean(1).numpy()
+            gimg[i, : g.numel() // GROUP] = np.where(live == 0, -1.0, live)
         ax.imshow(np.ma.masked_invalid(gimg), cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set_title(f"group-wise: share of live channels\n(group sparsity {s['group_sparsity']:.0%})", fontsize=8)
         ax.set_yticks([])
         ax.set_xticks([])
-    legend = [Patch(facecolor="black", edgecolor="gray", label="gate exactly 0 (channel / whole group removed)"),
-              Patch(facecolor="white", edgecolor="gray", label="largest gate of the layer / all channels live"),
+    legend = [Patch(facecolor=zero, edgecolor="gray", label="gate exactly 0: channel removed (right: whole group)"),
+              Patch(facecolor="black", edgecolor="gray", label="left: smallest non-zero gate; right: few live channels"),
+              Patch(facecolor="white", edgecolor="gray", label="left: largest gate of the layer; right: all 4 live"),
               Patch(facecolor=no_channel, edgecolor="gray", label="no channel (the layer is narrower)"),
-              Patch(facecolor="none", edgecolor="tab:red", label="red line: border between groups of 4")]
-    fig.legend(handles=legend, loc="lower left", ncol=2, fontsize=8, frameon=False, bbox_to_anchor=(0.0, -0.06))
+              Patch(facecolor="none", edgecolor=border, label="yellow line: border between groups of 4")]
+    fig.legend(handles=legend, loc="lower left", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.0, -0.08))
     ax = fig.add_subplot(gs[:, 2])
     labels = ["channel", "group"]
     x = np.arange(2)
