@@ -22,8 +22,9 @@ from prunopt.repro.ap import (
 
 def test_window_stats():
     s = window_stats([10.0, 9.0, 8.0, 7.0, 1.0, 3.0, 1.0, 3.0, 1.0, 3.0], frac=0.4)
-    assert s["window_mean"] == pytest.approx(2.0) and s["window_range"] == pytest.approx(1.0) and s["last"] == 3.0
-    assert window_stats([2.0, 2.0])["window_range"] == 0.0
+    assert s["window_mean"] == pytest.approx(2.0) and s["last"] == 3.0
+    assert s["window_rise"] == pytest.approx((2.0 + 2.0) / 2.0)  # two rises of 2 in the last 4 values
+    assert window_stats([5.0, 4.0, 2.0, 1.0], frac=1.0)["window_rise"] == 0.0  # only decreasing: no oscillation
     with pytest.raises(ValueError):
         window_stats([])
 
