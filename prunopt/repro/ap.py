@@ -285,12 +285,11 @@ def parent_state(data, seed: int, epochs: int):
 
 
 CONDITIONS = ("AP", "AP reshuffled", "IMP", "IMP reshuffled", "random")
-#: per size: seeds, Fig. 1 iterations and learning rates, Table 1 sparsities, seeds and
+#: per size: seeds, Fig. 1 iterations and learning rates, Table 1 sparsities and
 #: (parent, AP search, transfer) epochs
-SIZES = {"full": dict(seeds=5, iters=1500, lrs=[0.5, 0.2, 0.1, 0.05], sparsities=[0.5, 0.9, 0.95], table1_seeds=5,
-                      epochs=(8, 40, 30)),
-         "quick": dict(seeds=2, iters=300, lrs=[0.5, 0.1], sparsities=[0.9], table1_seeds=1, epochs=(3, 8, 10)),
-         "tiny": dict(seeds=2, iters=40, lrs=[0.5], sparsities=[0.5], table1_seeds=1, epochs=(1, 1, 1))}
+SIZES = {"full": dict(seeds=5, iters=1500, lrs=[0.5, 0.2, 0.1, 0.05], sparsities=[0.5, 0.9, 0.95], epochs=(8, 40, 30)),
+         "quick": dict(seeds=2, iters=300, lrs=[0.5, 0.1], sparsities=[0.9], epochs=(3, 8, 10)),
+         "tiny": dict(seeds=2, iters=40, lrs=[0.5], sparsities=[0.5], epochs=(1, 1, 1))}
 
 
 def table1(seeds, sparsities, parent_epochs: int, search_epochs: int, transfer_epochs: int, gamma: float):
@@ -437,8 +436,7 @@ CURVE_STRIDE = 5  # the stored Fig. 1 curves keep every 5th iteration
 def compute(size: dict, seeds: List[int]) -> dict:
     runs_fig, curves = fig1(seeds, size["lrs"], size["iters"], 1e-3)
     parent_epochs, search_epochs, transfer_epochs = size["epochs"]
-    runs_t1 = table1(seeds[:size["table1_seeds"]], size["sparsities"], parent_epochs, search_epochs, transfer_epochs,
-                     1e-3)
+    runs_t1 = table1(seeds, size["sparsities"], parent_epochs, search_epochs, transfer_epochs, 1e-3)
     curves = {name: [{"seed": s, "objective": [float(f"{v:.6g}") for v in c[::CURVE_STRIDE]]}
                      for s, c in zip(seeds, cs)] for name, cs in curves.items()}
     return {"size": size, "fig1": runs_fig, "curves": curves, "table1": runs_t1}
@@ -467,7 +465,7 @@ def merge(parts) -> dict:
 
 
 def run(args) -> None:
-    from prunopt.repro.report import load_parts
+    from prunopt.repro.report import load_parts, pieces_section
 
     if getattr(args, "merge", None):
         parts = load_parts(args.merge, "ap")
@@ -522,6 +520,8 @@ def run(args) -> None:
                     + f"). Layer densities (conv1, conv2, conv3, linear), seed {first}: {dens}.\n\n"
                     + markdown_table(["sparsity", "AP reached target"] + list(CONDITIONS) + ["dense"], rows))
     rep.data = data
+    if getattr(args, "merge", None):
+        pieces_section(rep, parts)
     curves = {name: [c["objective"] for c in cs] for name, cs in data["curves"].items()}
     rep.write(args.out, {"ap.png": lambda path: _plot(curves, runs_fig, lrs, runs_t1, sparsities, path)})
 

@@ -245,7 +245,7 @@ def merge(parts) -> dict:
 
 
 def run(args) -> None:
-    from prunopt.repro.report import load_parts
+    from prunopt.repro.report import load_parts, pieces_section
 
     if getattr(args, "merge", None):
         parts = load_parts(args.merge, "ds")
@@ -278,6 +278,8 @@ def run(args) -> None:
                 markdown_table(["norm", "seed", "channel sparsity %", "group sparsity %", "zeros in all-zero groups %",
                                 "sparsity per layer (BN1, BN2, BN3)", "weights exported / dense", "test accuracy"], rows))
     rep.data = data
+    if getattr(args, "merge", None):
+        pieces_section(rep, parts)
     rep.write(args.out, {"ds.png": lambda path: _plot(runs, seeds[0], path)})
 
 

@@ -506,7 +506,8 @@ def compute(settings: dict, seeds: List[int], seed: int, jobs: Sequence[str], sh
     network per seed; a PaI score: the SP/IP pairs at every rate per seed)."""
     from prunopt.train.loop import progress
 
-    res: Dict[str, object] = {"settings": settings, "jobs": list(jobs)}
+    jobs = [j for j in jobs if j in ("theorem", "dense") or j in settings["scores"]]
+    res: Dict[str, object] = {"settings": settings, "jobs": jobs}
     if "theorem" in jobs:
         res["fixed"] = theorem_fixed(9, settings["fixed_n"], settings["fixed_sparsities"], settings["fixed_draws"],
                                      settings["als_iters"], seed)
@@ -553,7 +554,7 @@ def merge(parts: Sequence[dict]) -> dict:
 
 
 def run(args) -> None:
-    from prunopt.repro.report import load_parts
+    from prunopt.repro.report import load_parts, pieces_section
 
     if getattr(args, "merge", None):
         parts = load_parts(args.merge, "interspace")
@@ -575,6 +576,8 @@ def run(args) -> None:
     seeds = sorted({r["seed"] for r in res["pairs"]} | {r["seed"] for r in res["dense"]}) or [args.seed]
     rep = build_report(res, command, seeds, args.threads, settings)
     rep.wall_s = wall
+    if getattr(args, "merge", None):
+        pieces_section(rep, parts)
     rep.data = res
     rep.write(args.out, {"interspace.png": lambda path: plot(res, settings, path)})
 

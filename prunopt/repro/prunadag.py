@@ -37,7 +37,7 @@ float64 problem (:func:`solve_batched`; per-run top-T set, ratio and stopping),
 which makes the paper's setting affordable; each row reproduces the library
 optimizer (:func:`solve`) run alone (tests/repro/test_prunadag_repro.py).
 Problems can be run in separate processes (``--prunadag-problems``) and
-merged (``--prunadag-merge``). ``--prunadag-investigate`` runs the study of the
+merged (``--merge``). ``--prunadag-investigate`` runs the study of the
 choices the paper leaves open for FW1/FW2 and V1/V2 (:data:`INVESTIGATIONS`).
 """
 from __future__ import annotations
@@ -816,8 +816,7 @@ def add_arguments(parser) -> None:
                    help=f"prunadag: comma-separated subset of {','.join(METHODS)} (default all; for runs in pieces)")
     g.add_argument("--prunadag-run-offset", type=int, default=None,
                    help="prunadag: first run of the least squares (runs split over processes; merged by run count)")
-    g.add_argument("--prunadag-merge", default=None,
-                   help="prunadag: comma-separated folders of earlier runs; write their combined report to --out")
+    g.add_argument("--prunadag-merge", default=None, help="prunadag: the same as --merge")
     g.add_argument("--prunadag-investigate", default=None,
                    help=f"prunadag: run the investigation groups ({','.join(INVESTIGATIONS)}, comma-separated) "
                         "instead of the tables; writes prunadag_investigation.md/.json")
@@ -833,10 +832,13 @@ _KEYS = ("prunadag_runs", "prunadag_iters", "prunadag_logreg_iters", "prunadag_p
 
 
 def run(args) -> None:
-    if getattr(args, "prunadag_merge", None):
-        folders = [d.strip() for d in args.prunadag_merge.split(",") if d.strip()]
-        write_report(merge_reports(folders), args.out, f"{repro_command(args, 'prunadag')} --prunadag-merge "
-                     f"{args.prunadag_merge}")
+    merge = getattr(args, "prunadag_merge", None) or getattr(args, "merge", None)
+    if merge:
+        from prunopt.repro.report import load_parts
+
+        parts = load_parts(merge, "prunadag")
+        write_report(merge_reports([d.strip() for d in merge.split(",") if d.strip()]), args.out,
+                     f"{repro_command(args, 'prunadag')} --merge {merge}", parts)
         return
     size = SIZES[scale(args)]
     runs = getattr(args, "prunadag_runs", None) or size["runs"]
@@ -983,9 +985,14 @@ def build_report(data: dict, command: str) -> Report:
     return rep
 
 
-def write_report(data: dict, out: str, command: str) -> Report:
-    """Prints and writes ``prunadag.md``, ``prunadag.json`` and ``prunadag.png``."""
+def write_report(data: dict, out: str, command: str, parts=None) -> Report:
+    """Prints and writes ``prunadag.md``, ``prunadag.json`` and ``prunadag.png``
+    (with the commands of the merged ``parts``, if any)."""
     rep = build_report(data, command)
+    if parts:
+        from prunopt.repro.report import pieces_section
+
+        pieces_section(rep, parts)
     figs = {"prunadag.png": (lambda path: plot(data["rho"], path))} if data["rho"] else {}
     rep.write(out, figs)
     return rep

@@ -241,6 +241,14 @@ def load_parts(dirs: str, name: str) -> List[dict]:
     return parts
 
 
+def pieces_section(rep: "Report", parts: Sequence[dict]) -> None:
+    """A section listing the command and wall time of every merged piece."""
+    rows = [[f"`{p['command']}`", f"{p['wall_s']:.0f}"] for p in parts]
+    total = sum(p["wall_s"] for p in parts)
+    rep.section("How it was run", f"{len(parts)} processes, one after another (`nice -n 10`), {total:.0f} s of wall "
+                "time in all; then the merge command above.\n\n" + markdown_table(["piece", "wall s"], rows))
+
+
 def same_setting(parts: Sequence[dict], key: str, what: str = "settings"):
     """``parts[i]["data"][key]``, which every part must share."""
     vals = [json.dumps(p["data"].get(key), sort_keys=True) for p in parts]

@@ -84,3 +84,19 @@ def test_cli_tiny_structure_and_determinism(tmp_path, capsys):
     assert any(c.startswith("Reshuffled AP masks transfer") for c in claims)
     assert len(a["data"]["fig1"]) == 3 * 2  # 3 ratios x 2 seeds at one learning rate
     assert (tmp_path / "a" / "ap.png").stat().st_size > 1000
+
+
+def test_cli_seed_pieces_merge_to_the_whole_run(tmp_path, capsys):
+    """Seeds 0 and 1 run in two processes and merged give the two-seed run."""
+    base = ["repro", "ap", "--tiny", "--no-progress"]
+    assert main(base + ["--out", str(tmp_path / "whole")]) == 0
+    for seed in (0, 1):
+        assert main(base + ["--seed", str(seed), "--seeds", "1", "--out", str(tmp_path / f"s{seed}")]) == 0
+    assert main(base + ["--merge", f"{tmp_path / 's1'},{tmp_path / 's0'}", "--out", str(tmp_path / "m")]) == 0
+    whole = json.loads((tmp_path / "whole" / "ap.json").read_text())
+    merged = json.loads((tmp_path / "m" / "ap.json").read_text())
+    assert merged["data"] == whole["data"] and merged["claims"] == whole["claims"]
+    assert "## How it was run" in (tmp_path / "m" / "ap.md").read_text()
+    with pytest.raises(ValueError, match="overlap"):
+        main(base + ["--merge", f"{tmp_path / 's0'},{tmp_path / 's0'}", "--out", str(tmp_path / "x")])
+    capsys.readouterr()

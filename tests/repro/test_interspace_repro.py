@@ -112,3 +112,19 @@ def test_cli_tiny_structure_and_determinism(tmp_path, capsys):
     # equal eq. 9 rates once the bases are dense; IP never holds more non-zeros than SP
     assert pair["p_sp"] - 1e-12 <= pair["p_ip"] <= pair["p_sp"] + 2 * 81 / 1000
     assert (tmp_path / "a" / "interspace.png").stat().st_size > 1000
+
+
+def test_cli_job_pieces_merge_to_the_whole_run(tmp_path, capsys):
+    base = ["repro", "interspace", "--tiny", "--no-progress"]
+    assert main(base + ["--out", str(tmp_path / "whole")]) == 0
+    for jobs in ("theorem", "dense,random"):
+        assert main(base + ["--interspace-jobs", jobs, "--out", str(tmp_path / jobs.replace(",", "_"))]) == 0
+    assert main(base + ["--merge", f"{tmp_path / 'dense_random'},{tmp_path / 'theorem'}", "--out",
+                        str(tmp_path / "m")]) == 0
+    whole = json.loads((tmp_path / "whole" / "interspace.json").read_text())
+    merged = json.loads((tmp_path / "m" / "interspace.json").read_text())
+    whole["data"]["jobs"] = sorted(whole["data"]["jobs"])
+    assert merged["data"] == whole["data"] and merged["claims"] == whole["claims"]
+    with pytest.raises(ValueError, match="--interspace-jobs"):
+        main(base + ["--interspace-jobs", "grasp", "--out", str(tmp_path / "x")])
+    capsys.readouterr()
