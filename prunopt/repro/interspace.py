@@ -472,7 +472,8 @@ def plot(res: dict, settings: dict, path: str) -> None:
     ax.set_xlabel("sparsity p")
     ax.set_ylabel("eps_1 / eps_2")
     ax.set_title(f"Theorem 1: adaptive basis / magnitude pruning (m=9, n={settings['fixed_n']})", fontsize=9)
-    ax.legend(fontsize=8)
+    if fixed:
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax = axes[1]
     pairs = res["pairs"]
@@ -492,7 +493,8 @@ def plot(res: dict, settings: dict, path: str) -> None:
     ax.set_xlabel("pruning rate p (eq. 9, bases counted)")
     ax.set_ylabel("test accuracy (mean ± std over seeds)")
     ax.set_title("SP vs IP at equal rate: cluttered digits, SmallResNet", fontsize=9)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path)
