@@ -23,7 +23,7 @@ norms reach about half the channels. Accuracy is that of the exported model
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -218,18 +218,36 @@ def _claims(rep: Report, runs: Dict[str, List[dict]]) -> None:
               else "not reproduced", "similar read as <= 1 point between the means; exported (channel-removed) models")
 
 
-def compute(size: dict, seeds: List[int]) -> dict:
+def parse_lambdas(text: Optional[str]) -> Dict[str, float]:
+    """``"l1=0.05,l21=0.2"`` -> final strengths per norm (missing norms: the
+    library's ``DEFAULT_LAMBDA``)."""
+    lam = dict(DEFAULT_LAMBDA)
+    for item in [t.strip() for t in (text or "").split(",") if t.strip()]:
+        key, _, val = item.partition("=")
+        if key not in NORMS:
+            raise ValueError(f"--ds-lambda: unknown norm {key!r}; expected {NORMS}")
+        try:
+            lam[key] = float(val)
+        except ValueError:
+            raise ValueError(f"--ds-lambda: {item!r} is not norm=number") from None
+        if not lam[key] > 0:
+            raise ValueError(f"--ds-lambda: the strength of {key} must be > 0, got {lam[key]}")
+    return lam
+
+
+def compute(size: dict, seeds: List[int], lam: Optional[Dict[str, float]] = None) -> dict:
     """One DS model per (seed, norm); the per-run records."""
+    lam = lam or dict(DEFAULT_LAMBDA)
     runs: Dict[str, List[dict]] = {n: [] for n in NORMS}
     for seed in seeds:
         for norm in NORMS:
-            r = train(norm, DEFAULT_LAMBDA[norm], size["epochs"], size["limit"], seed, width=size["width"])
-            runs[norm].append({"seed": seed, "lambda": DEFAULT_LAMBDA[norm], "acc": r["acc"],
+            r = train(norm, lam[norm], size["epochs"], size["limit"], seed, width=size["width"])
+            runs[norm].append({"seed": seed, "lambda": lam[norm], "acc": r["acc"],
                                "gated_acc": r["gated_acc"], "params": r["params"],
                                "dense_params": r["dense_params"], "stats": sparsity_stats(r["gates"]),
                                "gates": [g.tolist() for g in r["gates"]],
                                "initial_gates": [v for g in r["initial_gates"] for v in g.tolist()]})
-    return {"size": size, "runs": runs, "paper": PAPER}
+    return {"size": size, "lambda": lam, "runs": runs, "paper": PAPER}
 
 
 def merge(parts) -> dict:
@@ -241,7 +259,10 @@ def merge(parts) -> dict:
     seeds = [r["seed"] for r in runs["l1"]]
     if len(set(seeds)) != len(seeds):
         raise ValueError("--merge: the parts overlap (a seed was run twice)")
-    return {"size": size, "runs": runs, "paper": PAPER}
+    if any(len({r["lambda"] for r in runs[n]}) > 1 for n in NORMS):
+        raise ValueError("--merge: the parts disagree on the regularisation strengths")
+    lam = {n: runs[n][0]["lambda"] for n in NORMS}
+    return {"size": size, "lambda": lam, "runs": runs, "paper": PAPER}
 
 
 def run(args) -> None:
@@ -254,9 +275,10 @@ def run(args) -> None:
         command = repro_command(args, "ds") + f" --merge {args.merge}"
     else:
         size = SIZES[scale(args)]
-        command = repro_command(args, "ds")
+        command = repro_command(args, "ds", ["ds_lambda"])
+        lam = parse_lambdas(getattr(args, "ds_lambda", None))
         with deterministic(args.threads), Timer() as t:
-            data = compute(size, seeds_from(args, size["seeds"]))
+            data = compute(size, seeds_from(args, size["seeds"]), lam)
         wall = t.seconds
     size, runs = data["size"], data["runs"]
     seeds = [r["seed"] for r in runs["l1"]]
@@ -264,7 +286,7 @@ def run(args) -> None:
     rep = Report("ds", "Differentiable Sparsification (Lee, arXiv:1910.03201): l1 vs group l2,1 (Fig. 1-2, Table 2)",
                  command, seeds, args.threads, {"epochs": epochs, "width": width,
                                                 "images": "all 1797" if limit is None else limit,
-                                                "lambda": dict(DEFAULT_LAMBDA), "group": GROUP})
+                                                "lambda": data["lambda"], "group": GROUP})
     rep.wall_s = wall
     _claims(rep, runs)
     rows = []
@@ -283,4 +305,10 @@ def run(args) -> None:
     rep.write(args.out, {"ds.png": lambda path: _plot(runs, seeds[0], path)})
 
 
-register_repro("ds", run, "DS: l1 vs group l2,1 gate regularisation (Fig. 1-2, Table 2), over seeds")
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("ds")
+    g.add_argument("--ds-lambda", default=None,
+                   help=f"ds: final regularisation strengths, e.g. l1=0.05,l21=0.12 (default {DEFAULT_LAMBDA})")
+
+
+register_repro("ds", run, "DS: l1 vs group l2,1 gate regularisation (Fig. 1-2, Table 2), over seeds", add_arguments)
