@@ -30,7 +30,7 @@ reshuffled, and a uniformly random mask of the same global density.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -134,10 +134,11 @@ def fig1(seeds, lrs, iters: int, gamma: float):
 
 
 # --- Table 1 (reshuffle) ------------------------------------------------------------
-def split_digits(seed: int, n_new: int = 100):
-    """Parent task: digits 0-4, 70:30 split (fixed). New task: ``n_new``
-    training images of 5-9 (balanced, drawn with ``seed``), the other 5-9
-    images for testing. Images ``(N, 1, 8, 8)`` float32."""
+def split_digits(seed: int, n_new: int = 100, parent_limit: Optional[int] = None):
+    """Parent task: digits 0-4, 70:30 split (fixed; ``parent_limit`` keeps that
+    many parent images, for tests). New task: ``n_new`` training images of 5-9
+    (balanced, drawn with ``seed``), the other 5-9 images for testing. Images
+    ``(N, 1, 8, 8)`` float32."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -145,7 +146,7 @@ def split_digits(seed: int, n_new: int = 100):
     y = torch.tensor(d.target, dtype=torch.long)
     g = torch.Generator().manual_seed(0)
     parent = torch.nonzero(y < 5).flatten()
-    parent = parent[torch.randperm(len(parent), generator=g)]
+    parent = parent[torch.randperm(len(parent), generator=g)][:parent_limit]
     n_te = int(round(0.3 * len(parent)))
     gs = torch.Generator().manual_seed(1000 + seed)
     train_new, test_new = [], []
@@ -289,13 +290,16 @@ CONDITIONS = ("AP", "AP reshuffled", "IMP", "IMP reshuffled", "random")
 #: (parent, AP search, transfer) epochs
 SIZES = {"full": dict(seeds=5, iters=1500, lrs=[0.5, 0.2, 0.1, 0.05], sparsities=[0.5, 0.9, 0.95], epochs=(8, 40, 30)),
          "quick": dict(seeds=2, iters=300, lrs=[0.5, 0.1], sparsities=[0.9], epochs=(3, 8, 10)),
-         "tiny": dict(seeds=2, iters=40, lrs=[0.5], sparsities=[0.5], epochs=(1, 1, 1))}
+         "tiny": dict(seeds=2, iters=40, lrs=[0.5], sparsities=[0.5], epochs=(1, 1, 1), parent_limit=150)}
 
 
-def table1(seeds, sparsities, parent_epochs: int, search_epochs: int, transfer_epochs: int, gamma: float):
+def table1(seeds, sparsities, parent_epochs: int, search_epochs: int, transfer_epochs: int, gamma: float,
+           parent_limit: Optional[int] = None):
+    """Per seed and sparsity: the new-task accuracy of every condition in
+    :data:`CONDITIONS` and the dense network, the masks' layer densities."""
     runs = []
     for seed in seeds:
-        data = split_digits(seed)
+        data = split_digits(seed, parent_limit=parent_limit)
         state, parent_acc = parent_state(data, seed, parent_epochs)
         dense = transfer(state, [torch.ones_like(p, dtype=torch.bool) for p in _arch_shapes()], data, seed,
                          transfer_epochs)
@@ -442,7 +446,8 @@ CURVE_STRIDE = 5  # the stored Fig. 1 curves keep every 5th iteration
 def compute(size: dict, seeds: List[int]) -> dict:
     runs_fig, curves = fig1(seeds, size["lrs"], size["iters"], 1e-3)
     parent_epochs, search_epochs, transfer_epochs = size["epochs"]
-    runs_t1 = table1(seeds, size["sparsities"], parent_epochs, search_epochs, transfer_epochs, 1e-3)
+    runs_t1 = table1(seeds, size["sparsities"], parent_epochs, search_epochs, transfer_epochs, 1e-3,
+                     size.get("parent_limit"))
     curves = {name: [{"seed": s, "objective": [float(f"{v:.6g}") for v in c[::CURVE_STRIDE]]}
                      for s, c in zip(seeds, cs)] for name, cs in curves.items()}
     return {"size": size, "fig1": runs_fig, "curves": curves, "table1": runs_t1}
