@@ -415,9 +415,11 @@ def _plot(curves, runs_fig, lrs, runs_t1, sparsities, path):
                     label=f"t_s = {name}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import NullLocator
+
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(lrs)
     ax.set_xticklabels([str(lr) for lr in lrs])
-    ax.minorticks_off()
     ax.set_xlabel("learning rate")
     ax.set_ylabel("objective, final 20 % (mean ± std over seeds)")
     ax.set_title("effect of the learning rate", fontsize=9)
