@@ -842,6 +842,19 @@ _KEYS = ("prunadag_runs", "prunadag_iters", "prunadag_logreg_iters", "prunadag_p
 
 def run(args) -> None:
     merge = getattr(args, "prunadag_merge", None) or getattr(args, "merge", None)
+    if merge and getattr(args, "prunadag_investigate", None):  # investigation groups run in pieces
+        from prunopt.repro.report import load_parts, pieces_section
+
+        parts = load_parts(merge, "prunadag_investigation")
+        d0 = parts[0]["data"]
+        if any((p["data"]["runs"], p["data"]["iters"], p["data"]["seed"]) != (d0["runs"], d0["iters"], d0["seed"])
+               for p in parts):
+            raise ValueError("--merge: the investigation parts disagree on runs, iterations or seed")
+        records = [_int_keys(r) for p in parts for r in p["data"]["records"]]
+        write_investigation(records, args.out, f"{repro_command(args, 'prunadag', ['prunadag_investigate'])} "
+                            f"--merge {merge}", d0["seed"], parts[0]["threads"], d0["runs"], d0["iters"],
+                            sum(p["wall_s"] for p in parts), lambda rep: pieces_section(rep, parts))
+        return
     if merge:
         from prunopt.repro.report import load_parts
 
@@ -1008,7 +1021,7 @@ def write_report(data: dict, out: str, command: str, parts=None) -> Report:
 
 
 def write_investigation(records, out: str, command: str, seed: int, threads: int, runs: int, iters: int,
-                        wall: float) -> Report:
+                        wall: float, extra=None) -> Report:
     rep = Report("prunadag_investigation", "prunAdag: the choices the paper leaves open for FW1, FW2, V1 and V2",
                  command, [seed], threads, {"runs": runs, "iterations": iters})
     rep.wall_s = wall
@@ -1025,9 +1038,12 @@ def write_investigation(records, out: str, command: str, seed: int, threads: int
                   + f" ({best['within_10x']}/{best['cells']} within 10x, mean |log10 ratio| {best['log_error']:.2f}; "
                   f"as read: {base['within_10x']}/{base['cells']}, {base['log_error']:.2f})",
                   "reproduced" if best["within_10x"] == best["cells"] else
-                  "qualitatively" if best["log_error"] < base["log_error"] else "not reproduced")
+                  "qualitatively" if 2 * best["within_10x"] >= best["cells"] else "not reproduced",
+                  "verdict for the closest reading: all cells within 10x reproduced, at least half qualitatively")
     rep.section(f"Variants ({runs} runs each, at most {iters} iterations unless stated)", investigation_markdown(records))
     rep.data = {"records": records, "runs": runs, "iters": iters, "seed": seed}
+    if extra is not None:
+        extra(rep)
     rep.write(out)
     return rep
 

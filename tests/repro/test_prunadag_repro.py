@@ -268,6 +268,14 @@ def test_investigation_tiny(tmp_path, capsys):
     assert labels == [v[0] for v in INVESTIGATIONS["v2"]]
     assert [r["iters"] for r in d["data"]["records"]] == [30, 15, 30, 15]
     assert d["claims"][0]["claim"].startswith("v2:")
+    # groups run in pieces merge into one report
+    assert main(["repro", "prunadag", "--tiny", "--prunadag-investigate", "v1", "--out", str(tmp_path / "v1"),
+                 "--no-progress"]) == 0
+    assert main(["repro", "prunadag", "--prunadag-investigate", "v1,v2", "--merge", f"{tmp_path},{tmp_path / 'v1'}",
+                 "--out", str(tmp_path / "m")]) == 0
+    m = json.loads((tmp_path / "m" / "prunadag_investigation.json").read_text())
+    assert [r["group"] for r in m["data"]["records"]] == ["v2"] * 4 + ["v1"] * len(INVESTIGATIONS["v1"])
+    assert [c["claim"][:3] for c in m["claims"]] == ["v2:", "v1:"]
     capsys.readouterr()
 
 
