@@ -413,13 +413,16 @@ def lsq_grad_fn(A: torch.Tensor, b: torch.Tensor):
 
 
 def run_least_squares(problem: str, method: str, runs: int, iters: int, seed: int, m: int = 100, n: int = 1000,
-                      fw=LSQ_FW, ratio_set: str = "M", fw2_rule: str = "paper", rhs: str = "paper", problems=None):
+                      fw=LSQ_FW, ratio_set: str = "M", fw2_rule: str = "paper", rhs: str = "paper", problems=None,
+                      relevant: Optional[int] = None):
     """One (problem, method) cell group: per sigma the mean ``rho`` and ``omega``
     (eq. 3.1), and the convergence record (mean final ``||g||``, runs that met
-    ``||g|| <= 1e-9``, mean steps)."""
+    ``||g|| <= 1e-9``, mean steps). ``relevant`` overrides the method's ``T``
+    (the paper's ``n/10``; the start keeps ``n/10`` non-zeros)."""
     A, b, x0 = problems if problems is not None else least_squares_problems(problem, runs, seed, m, n, rhs)
     grad, f = lsq_grad_fn(A, b)
-    x, steps = solve_batched(grad, x0, method, n // 10, iters, TOL, fw, ratio_set, fw2_rule)
+    T = n // 10 if relevant is None else relevant
+    x, steps = solve_batched(grad, x0, method, T, iters, TOL, fw, ratio_set, fw2_rule)
     gn = grad(x).norm(dim=1)
     fx = f(x)
     rho, omega = {}, {}
@@ -524,6 +527,8 @@ INVESTIGATIONS = {
         ("tau2 = 1000", "FW2", "A1", {"fw": (50.0, 1000.0, 1e-3)}),
         ("b scaled to unit norm", "FW2", "A1", {"rhs": "unit"}),
         ("step with ||g|| (not ||g||_R)", "FW2", "A1", {"fw2_rule": "full_grad"}),
+        ("LMO over every entry (T = n)", "FW2", "A1", {"relevant": 1000}),
+        ("LMO over every entry, step with ||g||", "FW2", "A1", {"relevant": 1000, "fw2_rule": "full_grad"}),
         ("step with ||g||", "FW2", "A3", {"fw2_rule": "full_grad"}),
         ("step with ||g||", "FW2", "A5", {"fw2_rule": "full_grad"}),
     ],
