@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=N -m prunopt train --method M ...
     prunopt repro NAME [--out DIR] [--quick]
     prunopt bench [--quick] [--only NAME] [--out DIR]
-    prunopt compare --method snip [--sparsities 0.5,0.8,0.9] [--out DIR]
+    prunopt compare --method snip [--sparsities 0.85,0.9,0.95,0.98] [--seeds 5] [--out DIR]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _methods_epilog(methods) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``prunopt`` parser: sub-commands ``train``, ``repro``, ``compare``, ``bench``."""
-    from prunopt.repro import REPROS
+    from prunopt.repro import add_repro_arguments
     from prunopt.train.methods import METHODS
 
     p = argparse.ArgumentParser(prog="prunopt", description="Pruning-aware optimizers, masks and sparse layers.")
@@ -73,26 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
         if entry.add_arguments is not None:
             entry.add_arguments(t)
 
-    r = sub.add_parser("repro", help="reproduce a paper's experiment")
-    r.add_argument("name", choices=sorted(REPROS) or ["(none)"])
-    r.add_argument("--out", default="runs/repro", help="folder for tables and plots")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--quick", action="store_true", help="a small, fast version")
-    r.add_argument("--no-progress", dest="progress", action="store_false")
-    for entry in REPROS.values():
-        if entry.add_arguments is not None:
-            entry.add_arguments(r)
+    r = sub.add_parser("repro", help="reproduce a paper's experiment (claims table, markdown + JSON)")
+    add_repro_arguments(r)
 
     # SP vs IP for one pruning-toolkit method
-    c = sub.add_parser("compare", help="SP vs IP for one pruning method over a few sparsities (markdown table + PNG)")
+    c = sub.add_parser("compare", help="SP vs IP at equal pruning rate (eq. 9) for one pruning method, over seeds "
+                       "(markdown + JSON tables, PNG)")
     c.add_argument("--method", required=True, choices=["pai-random", "snip", "grasp", "synflow", "lt", "set", "rigl", "gmp", "ft"])
-    c.add_argument("--sparsities", type=fractions_arg("--sparsities"), default="0.5,0.8,0.9,0.95",
-                   help="comma-separated sparsities in [0, 1) (default 0.5,0.8,0.9,0.95)")
-    c.add_argument("--out", default="runs/compare", help="folder for compare_<method>.md and .png")
+    c.add_argument("--sparsities", type=fractions_arg("--sparsities"), default="0.85,0.9,0.95,0.98",
+                   help="comma-separated target pruning rates in [0, 1] (default 0.85,0.9,0.95,0.98)")
+    c.add_argument("--out", default="runs/compare", help="folder for compare_<method>.md, .json and .png")
     c.add_argument("--epochs", type=positive_int_arg("--epochs"), default=None)
     c.add_argument("--limit", type=positive_int_arg("--limit"), default=None)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="first seed")
+    c.add_argument("--seeds", type=positive_int_arg("--seeds"), default=5, help="number of seeds (mean ± std; default 5)")
+    c.add_argument("--threads", type=positive_int_arg("--threads"), default=None,
+                   help="torch threads; set, the runs are deterministic for a given seed and thread count")
     c.add_argument("--sharing", choices=["fine", "coarse"], default="fine")
+    c.add_argument("--merge", default=None,
+                   help="comma-separated folders of earlier compare runs of --method (other seeds); write their "
+                        "combined report to --out")
     c.add_argument("--no-progress", dest="progress", action="store_false")
 
     b = sub.add_parser("bench", help="run the microbenchmark suite (writes a new ./prunopt-bench-<time>/ by default)")
@@ -235,14 +235,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         REPROS[args.name].run(args)
         return 0
     if args.command == "compare":
-        from prunopt.train.methods.toolkit import compare
+        from prunopt.train.methods.toolkit import compare, merge_compare
 
+        if args.merge:
+            folders = [d.strip() for d in args.merge.split(",") if d.strip()]
+            print(merge_compare(args.method, folders, args.out), flush=True)
+            return 0
         ps = args.sparsities
-        extra = ["--seed", str(args.seed), "--sharing", args.sharing]
+        extra = ["--sharing", args.sharing]
         extra += ["--epochs", str(args.epochs)] if args.epochs else []
         extra += ["--limit", str(args.limit)] if args.limit else []
         extra += [] if args.progress else ["--no-progress"]
-        print(compare(args.method, ps, args.out, extra, parser=parser), flush=True)
+        seeds = [args.seed + i for i in range(args.seeds)]
+        print(compare(args.method, ps, args.out, extra, parser=parser, seeds=seeds, threads=args.threads), flush=True)
         return 0
     if args.command == "bench":
         from prunopt.bench import run as bench_run

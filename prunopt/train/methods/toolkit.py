@@ -258,65 +258,196 @@ for _name, _help in TOOLKIT_METHODS.items():
 
 
 # ---------------------------------------------------------------- compare
+def equal_rate_sparsity(p_sp: float, D: int, basis_nonzero: int) -> Optional[float]:
+    """The coefficient sparsity ``q`` of an IP run whose eq. 9 rate ``p_IP``
+    equals ``p_sp``: eq. 9 counts the bases' non-zeros as parameters, so the IP
+    run keeps ``(1 - p_sp) D - basis_nonzero`` coefficients (``D`` prunable
+    weights). ``q`` is placed half a weight inside the interval that
+    ``kept_count``'s floor (eq. A.39) maps to that count. ``None`` when the
+    bases alone already hold SP's budget (no IP network has that rate)."""
+    keep_sp = int(round((1.0 - p_sp) * D))
+    keep_ip = keep_sp - int(basis_nonzero)
+    if keep_ip < 1:
+        return None
+    return 1.0 - (keep_ip + 0.5) / D
+
+
+def _seed_argv(base_argv: List[str], seed: int) -> List[str]:
+    """``base_argv`` with ``--seed`` set to ``seed``."""
+    argv = list(base_argv)
+    if "--seed" in argv:
+        i = argv.index("--seed")
+        del argv[i:i + 2]
+    return argv + ["--seed", str(seed)]
+
+
 def compare(method: str, sparsities: List[float], out: str, base_argv: Optional[List[str]] = None, *,
-            parser) -> str:
-    """``prunopt compare``: run ``method`` with SP and with IP at each sparsity
-    (the shape of the paper's Fig. 3-4), write ``compare_<method>.md`` (table)
-    and ``compare_<method>.png`` (accuracy vs. sparsity) into ``out`` and return
-    the markdown. ``parser`` is the ``prunopt`` parser (:func:`prunopt.cli.build_parser`),
-    which parses each run's ``train`` options."""
-    from prunopt.train.loop import atomic_write_text
+            parser, seeds: Optional[List[int]] = None, threads: Optional[int] = None) -> str:
+    """``prunopt compare``: ``method`` with SP and with IP at equal pruning rate
+    (eq. 9 of Interspace Pruning, the paper's comparison): for each target
+    sparsity ``p`` and seed, the SP run prunes spatial weights to ``p``; the IP
+    run's coefficient sparsity is chosen by :func:`equal_rate_sparsity` so that
+    its ``p_IP`` (which counts the filter bases as parameters) equals the SP
+    run's ``p_SP``. Writes ``compare_<method>.md`` (mean ± standard deviation
+    over the seeds), ``compare_<method>.json`` (every run) and
+    ``compare_<method>.png`` (accuracy vs eq. 9 rate, error bars) into ``out``
+    with the user's umask, prints where, and returns the markdown. ``parser``
+    is the ``prunopt`` parser (:func:`prunopt.cli.build_parser`), which parses
+    each run's ``train`` options; ``seeds`` default to ``--seed`` of
+    ``base_argv`` (or 0); ``threads`` sets torch's intra-op threads and
+    deterministic algorithms for the runs (results are then repeatable)."""
+    from contextlib import nullcontext
+
+    from prunopt.repro.report import deterministic
 
     if method not in TOOLKIT_METHODS:
         raise ValueError(f"method must be one of {sorted(TOOLKIT_METHODS)}, got {method!r}")
     if not sparsities:
         raise ValueError("sparsities must not be empty")
-    rows = []
-    for p in sparsities:
-        row = {"sparsity": p}
-        for space in ("standard", "interspace"):
-            argv = ["train", "--method", method, "--sparsity", repr(float(p)), "--space", space] + list(base_argv or [])
-            args = parser.parse_args(argv)
-            args.density = 1.0 - args.sparsity
-            s = run_toolkit(method, args)
-            key = "sp" if space == "standard" else "ip"
-            row[f"{key}_acc"], row[f"{key}_dense"] = s.pruned_acc, s.dense_acc
-            row[f"p_{key}"] = s.extra["p_ip"] if key == "ip" else s.extra["p_sp"]
-            print(s.line(), flush=True)
-        rows.append(row)
-    lines = [f"# SP vs IP: {method}", "",
-             "Digits, SmallCNN; accuracies are test-set fractions; p_SP / p_IP from eq. 9.", "",
-             "| target sparsity | p_SP | SP acc | SP dense | p_IP | IP acc | IP dense |", "|---|---|---|---|---|---|---|"]
+    base_argv = list(base_argv or [])
+    if seeds is None:
+        seeds = [int(base_argv[base_argv.index("--seed") + 1])] if "--seed" in base_argv else [0]
+    if not seeds:
+        raise ValueError("seeds must not be empty")
+
+    def parse(p: float, space: str, seed: int):
+        argv = ["train", "--method", method, "--sparsity", repr(float(p)), "--space", space]
+        args = parser.parse_args(argv + _seed_argv(base_argv, seed))
+        args.density = 1.0 - args.sparsity
+        return args
+
+    probe = parse(0.5, "interspace", seeds[0])
+    probe_model = _model(probe, 10)
+    D = pruning_rates(probe_model)["D"]
+    # a trained basis is dense (the standard basis at initialisation is not): count every entry
+    fb = sum({id(m.basis.weight): m.basis.weight.numel() for m in probe_model.modules()
+              if hasattr(m, "basis")}.values())
+    rows: List[dict] = []
+    with deterministic(threads) if threads else nullcontext():
+        for p in sparsities:
+            row = {"sparsity": float(p), "runs": []}
+            for seed in seeds:
+                s_sp = run_toolkit(method, parse(p, "standard", seed))
+                print(s_sp.line(), flush=True)
+                run = {"seed": seed, "p_sp": s_sp.extra["p_sp"], "sp_acc": s_sp.pruned_acc, "sp_dense": s_sp.dense_acc}
+                q = equal_rate_sparsity(s_sp.extra["p_sp"], D, fb)
+                run["ip_coefficient_sparsity"] = q
+                if q is not None:
+                    s_ip = run_toolkit(method, parse(q, "interspace", seed))
+                    print(s_ip.line(), flush=True)
+                    run.update(p_ip=s_ip.extra["p_ip"], ip_acc=s_ip.pruned_acc, ip_dense=s_ip.dense_acc)
+                row["runs"].append(run)
+            rows.append(row)
+    result = {"method": method, "seeds": list(seeds), "threads": threads, "D": D, "basis_nonzero": fb,
+              "sharing": probe.sharing, "train_options": base_argv, "rows": rows}
+    return write_compare(result, out)
+
+
+def merge_compare(method: str, dirs: List[str], out: str) -> str:
+    """Combines ``compare_<method>.json`` of runs made in pieces (other seeds;
+    same sparsities, network and thread count) and writes the combined
+    report like :func:`compare`; returns its markdown."""
+    import json
+
+    parts = []
+    for d in dirs:
+        with open(os.path.join(d, f"compare_{method}.json")) as f:
+            parts.append(json.load(f))
+    if not parts:
+        raise ValueError("merge_compare: no folders given")
+    for key in ("D", "basis_nonzero", "sharing", "threads", "train_options"):
+        if len({json.dumps(p[key]) for p in parts}) > 1:
+            raise ValueError(f"merge_compare: the parts disagree on {key}")
+    if len({tuple(r["sparsity"] for r in p["rows"]) for p in parts}) > 1:
+        raise ValueError("merge_compare: the parts disagree on the sparsities")
+    seeds = sorted(s for p in parts for s in p["seeds"])
+    if len(set(seeds)) != len(seeds):
+        raise ValueError("merge_compare: the parts overlap (a seed was run twice)")
+    rows = [{"sparsity": r["sparsity"], "runs": sorted((x for p in parts for x in p["rows"][i]["runs"]),
+                                                        key=lambda x: x["seed"])}
+            for i, r in enumerate(parts[0]["rows"])]
+    result = {**{k: parts[0][k] for k in ("method", "threads", "D", "basis_nonzero", "sharing", "train_options")},
+              "seeds": seeds, "rows": rows}
+    return write_compare(result, out)
+
+
+def write_compare(result: dict, out: str) -> str:
+    """Writes ``compare_<method>.md`` / ``.json`` / ``.png`` of a
+    :func:`compare` result into ``out`` (user's umask), prints where, returns
+    the markdown."""
+    import json
+
+    from prunopt.repro.report import markdown_table, mean_std, write_text
+
+    method, rows, seeds, threads = result["method"], result["rows"], result["seeds"], result["threads"]
+    D, fb, sharing = result["D"], result["basis_nonzero"], result["sharing"]
+    table = []
     for r in rows:
-        lines.append(f"| {r['sparsity']:.3f} | {r['p_sp']:.4f} | {r['sp_acc']:.4f} | {r['sp_dense']:.4f} | "
-                     f"{r['p_ip']:.4f} | {r['ip_acc']:.4f} | {r['ip_dense']:.4f} |")
-    md = "\n".join(lines) + "\n"
+        runs = r["runs"]
+        sp = [x["sp_acc"] for x in runs]
+        cells = [f"{r['sparsity']:.3f}", len(runs), f"{mean_std([x['p_sp'] for x in runs])[0]:.4f}", _pm(sp)]
+        ip_runs = [x for x in runs if x.get("ip_acc") is not None]
+        if ip_runs:
+            ip = [x["ip_acc"] for x in ip_runs]
+            diff = [x["ip_acc"] - x["sp_acc"] for x in ip_runs]
+            cells += [f"{mean_std([x['ip_coefficient_sparsity'] for x in ip_runs])[0]:.4f}",
+                      f"{mean_std([x['p_ip'] for x in ip_runs])[0]:.4f}", _pm(ip), _pm(diff),
+                      f"{sum(d > 0 for d in diff)}/{len(diff)}"]
+        else:
+            keep = int(round((1 - runs[0]["p_sp"]) * D))
+            cells += ["-", "-", f"no IP network at this rate: the bases hold {fb} of SP's {keep} weights", "-", "-"]
+        dense = [x["sp_dense"] for x in runs]
+        cells.append(_pm(dense) if method != "lt" else "-")
+        table.append(cells)
+    header = ["target p", "seeds", "p_SP (eq. 9)", "SP acc", "IP coefficient sparsity", "p_IP (eq. 9)", "IP acc",
+              "IP - SP", "IP better", "dense acc (SP net)"]
+    md = "\n".join([
+        f"# SP vs IP at equal pruning rate: {method}", "",
+        f"SmallCNN on the embedded digits; {sharing} filter-basis sharing ({fb} basis entries, counted as parameters "
+        f"by eq. 9), D = {D} prunable weights; seeds {', '.join(map(str, seeds))}"
+        + (f"; {threads} thread(s)" if threads else "")
+        + (f"; train options `{' '.join(result['train_options'])}`" if result.get("train_options") else "")
+        + ". Each IP run keeps (1 - p_SP) D - "
+        f"{fb} coefficients, so that p_IP = p_SP; accuracies are test-set fractions, mean ± standard deviation "
+        "over the seeds.", "",
+        markdown_table(header, table)]) + "\n"
     os.makedirs(out, exist_ok=True)
-    atomic_write_text(md, os.path.join(out, f"compare_{method}.md"))
-    _plot(rows, method, os.path.join(out, f"compare_{method}.png"))
+    md_path = os.path.join(out, f"compare_{method}.md")
+    json_path = os.path.join(out, f"compare_{method}.json")
+    png_path = os.path.join(out, f"compare_{method}.png")
+    write_text(md_path, md)
+    write_text(json_path, json.dumps(result, indent=1) + "\n")
+    _plot(rows, method, png_path)
+    print(f"wrote {md_path}, {json_path}, {png_path}", flush=True)
     return md
 
 
+def _pm(values) -> str:
+    from prunopt.repro.report import pm
+
+    return pm(values, ".4f")
+
+
 def _plot(rows, method: str, path: str) -> None:
-    import tempfile
+    """Accuracy against the eq. 9 rate, mean and standard deviation over the
+    seeds, for SP and for IP at the same rate; saved with the user's umask."""
+    from prunopt.repro.report import mean_std, pyplot, save_figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    # each curve at its own eq.-9 pruning rate (IP counts its bases as parameters)
-    ax.plot([r["p_sp"] for r in rows], [r["sp_acc"] for r in rows], "o-", label="SP (spatial weights), x = p_SP")
-    ax.plot([r["p_ip"] for r in rows], [r["ip_acc"] for r in rows], "s-", label="IP (FB coefficients), x = p_IP")
-    ax.axhline(rows[0]["sp_dense"], ls=":", color="gray", label="dense (SP)")
-    ax.set_xlabel("pruning rate p (eq. 9)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"{method}: interspace vs standard pruning")
+    sp = [(mean_std([x["p_sp"] for x in r["runs"]])[0], *mean_std([x["sp_acc"] for x in r["runs"]])) for r in rows]
+    ip = [(mean_std([x["p_ip"] for x in ip_runs])[0], *mean_std([x["ip_acc"] for x in ip_runs]))
+          for ip_runs in ([x for x in r["runs"] if x.get("ip_acc") is not None] for r in rows) if ip_runs]
+    ax.errorbar([a for a, _, _ in sp], [m for _, m, _ in sp], [s for _, _, s in sp], fmt="o-", capsize=3,
+                label="SP (spatial weights)")
+    if ip:
+        ax.errorbar([a for a, _, _ in ip], [m for _, m, _ in ip], [s for _, _, s in ip], fmt="s-", capsize=3,
+                    label="IP (FB coefficients), same eq. 9 rate")
+    if method != "lt":
+        ax.axhline(mean_std([x["sp_dense"] for x in rows[0]["runs"]])[0], ls=":", color="gray", label="dense (SP net)")
+    ax.set_xlabel("pruning rate p (eq. 9: bases count as parameters)")
+    ax.set_ylabel(f"test accuracy (mean ± std, {len(rows[0]['runs'])} seeds)")
+    ax.set_title(f"{method}: interspace vs standard pruning at equal rate")
     ax.grid(alpha=0.3)
     ax.legend()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
