@@ -763,7 +763,7 @@ def test_sfw_expanded_parameter_raises_before_any_write():
 # ---------------------------------------------------------------- torch.compile
 
 
-def _compile_run(make, lr_tensor, steps, eager_too=True):
+def _compile_run(make, lr_tensor, steps, eager_too=True, nan_step=False):
     """Runs torch.compile(opt.step) over a OneCycleLR schedule; returns the
     number of distinct graphs, of graph breaks, and the parameters of the
     compiled and (if asked) the eager run. The step is compiled before the
@@ -788,6 +788,16 @@ def _compile_run(make, lr_tensor, steps, eager_too=True):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": see above
                 sched.step()
+        if compiled and nan_step:
+            # a non-finite gradient under torch.compile: the step is skipped and
+            # flagged (raising would need a graph break), with the same graph
+            before = [p.detach().clone() for p in ps]
+            steps_before = [opt.state[p]["step"].clone() for p in ps]
+            ps[1].grad[3] = float("nan")
+            step()
+            assert all(torch.equal(p, b) for p, b in zip(ps, before))
+            assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(ps, steps_before))
+            assert opt.found_nonfinite.item() == 1.0
         return ps
 
     torch._dynamo.reset()
@@ -811,11 +821,12 @@ def _adagrad_graphs(lr_tensor, steps):
 def test_compiled_step_no_graph_breaks_recompiles_like_adagrad(impl, lr_tensor):
     """torch.compile(optimizer.step) over an LR schedule: no graph break, no
     more distinct graphs than torch.optim.Adagrad (foreach) needs (2 with a
-    float lr, 1 with a tensor lr), and the parameters of the eager run."""
+    float lr, 1 with a tensor lr), and the parameters of the eager run; then a
+    non-finite gradient is skipped and flagged (found_nonfinite) by the same graph."""
     flags = dict(fused=True) if impl == "fused" else dict(foreach=True, fused=False)
     steps = 5
     graphs, breaks, out, eager = _compile_run(
-        lambda ps, lr: PrunAdag(ps, lr=lr, relevant=0.2, weight_decay=0.01, **flags), lr_tensor, steps)
+        lambda ps, lr: PrunAdag(ps, lr=lr, relevant=0.2, weight_decay=0.01, **flags), lr_tensor, steps, nan_step=True)
     assert breaks == 0
     assert graphs <= _adagrad_graphs(lr_tensor, steps), (graphs, _adagrad_graphs(lr_tensor, steps))
     for a, b in zip(out, eager):
