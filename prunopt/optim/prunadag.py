@@ -573,9 +573,10 @@ class PrunAdag(torch.optim.Optimizer):
     raising would need a host synchronisation, and under ``torch.compile`` a
     graph break, so there the step is skipped instead: the step counters (kept
     on the device for CUDA params, as in ``torch.optim.Adagrad(fused=True)``)
-    do not advance, and :attr:`found_nonfinite` (a float32 tensor on the
-    params' device) is 1 after a skipped step and 0 otherwise — read it when
-    convenient (e.g. with the loss).
+    do not advance, and :attr:`found_nonfinite` (a one-element float32 tensor
+    on the params' device, reset by every such step) is 1 after a skipped step
+    and 0 otherwise — read it when convenient (e.g. with the loss); in raising
+    mode it stays 0.
 
     ``torch.compile(optimizer.step)``: the fused and foreach paths read nothing
     on the host (no graph break), a tensor ``lr`` changed by a scheduler needs
@@ -613,7 +614,7 @@ class PrunAdag(torch.optim.Optimizer):
         )
         _check_hyper(dict(defaults))
         super().__init__(params, defaults)
-        self.found_nonfinite: Optional[Tensor] = None  # set by steps that skip instead of raising
+        self.found_nonfinite: Optional[Tensor] = self._new_flag()
         self._check_consistency()
         total = sum(p.numel() for g in self.param_groups if g["prune"] for p in g["params"])
         for g in self.param_groups:
@@ -652,6 +653,15 @@ class PrunAdag(torch.optim.Optimizer):
             state["step"] = (torch.zeros((), dtype=torch.float32, device=dev if p.is_cuda else None) if st.is_meta
                              else st.to(dev if p.is_cuda else "cpu"))
         return state
+
+    def _new_flag(self, device=None) -> Tensor:
+        """A zero :attr:`found_nonfinite` on ``device`` (default: the first
+        parameter's): created eagerly, so that a compiled step only writes into
+        it (an attribute set inside a compiled region would not persist)."""
+        if device is None:
+            first = next((p for g in self.param_groups for p in g["params"]), None)
+            device = first.device if first is not None else None
+        return torch.zeros(1, dtype=torch.float32, device=device)
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; the group is validated
@@ -708,7 +718,8 @@ class PrunAdag(torch.optim.Optimizer):
         for group in self.param_groups:
             for key, value in self._GROUP_DEFAULTS.items():
                 group.setdefault(key, True if key == "prune" else defaults.get(key, value))
-        self.__dict__.setdefault("found_nonfinite", None)  # not pickled by Optimizer.__getstate__
+        if self.__dict__.get("found_nonfinite") is None:  # not pickled by Optimizer.__getstate__
+            self.found_nonfinite = self._new_flag()
         for group in self.param_groups:
             for p in group["params"]:
                 s = self.state.get(p)
@@ -780,7 +791,10 @@ class PrunAdag(torch.optim.Optimizer):
         if (impl == "fused" and tensors[0].is_cuda) or torch.compiler.is_compiling():
             # skip instead of raising: raising would need a host synchronisation
             # (CUDA) or a graph break (torch.compile)
-            flag = torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
-            self.found_nonfinite = flag
+            flag = self.found_nonfinite
+            if flag is None or flag.device != tensors[0].device:
+                flag = self.found_nonfinite = self._new_flag(tensors[0].device)
+            else:
+                flag.zero_()
         _run_scopes(scopes, impl, flag)
         return loss

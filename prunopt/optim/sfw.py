@@ -145,7 +145,13 @@ class SFW(torch.optim.Optimizer):
     def __setstate__(self, state):
         """Loads a pickled optimizer or a state dict; groups of the earlier
         form (``step_rule``, ``beta``, no ``lr``) are converted: FW1 is
-        ``rescale="fw1", lr=1`` and FW2 ``rescale="fw2", lr=beta``."""
+        ``rescale="fw1", lr=1`` and FW2 ``rescale="fw2", lr=beta``. Step
+        counts that are not finite and >= 0 (FW1 divides by ``k + 1``) raise
+        ``ValueError`` before anything is loaded."""
+        from prunopt.optim.prunadag import _check_steps
+
+        steps = [s["step"] for s in (state.get("state") or {}).values() if isinstance(s, dict) and "step" in s]
+        _check_steps([st if torch.is_tensor(st) else torch.tensor(float(st)) for st in steps], name="state 'step'")
         super().__setstate__(state)
         for g in self.param_groups:
             rule = g.pop("step_rule", None)
