@@ -417,7 +417,7 @@ def write_compare(result: dict, out: str) -> str:
     png_path = os.path.join(out, f"compare_{method}.png")
     write_text(md_path, md)
     write_text(json_path, json.dumps(result, indent=1) + "\n")
-    _plot(rows, method, png_path)
+    _plot(rows, method, png_path, sharing)
     print(f"wrote {md_path}, {json_path}, {png_path}", flush=True)
     return md
 
@@ -428,7 +428,7 @@ def _pm(values) -> str:
     return pm(values, ".4f")
 
 
-def _plot(rows, method: str, path: str) -> None:
+def _plot(rows, method: str, path: str, sharing: str = "fine") -> None:
     """Accuracy against the eq. 9 rate, mean and standard deviation over the
     seeds, for SP and for IP at the same rate; saved with the user's umask."""
     from prunopt.repro.report import mean_std, pyplot, save_figure
@@ -447,7 +447,7 @@ def _plot(rows, method: str, path: str) -> None:
         ax.axhline(mean_std([x["sp_dense"] for x in rows[0]["runs"]])[0], ls=":", color="gray", label="dense (SP net)")
     ax.set_xlabel("pruning rate p (eq. 9: bases count as parameters)")
     ax.set_ylabel(f"test accuracy (mean ± std, {len(rows[0]['runs'])} seeds)")
-    ax.set_title(f"{method}: interspace vs standard pruning at equal rate")
+    ax.set_title(f"{method}: interspace ({sharing} sharing) vs standard pruning at equal rate", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     save_figure(fig, path)
