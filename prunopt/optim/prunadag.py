@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -414,6 +415,19 @@ def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tenso
         torch._foreach_add_(steps, 1)
 
 
+def _refuse_dtensors(scopes: List[_Scope]) -> None:
+    """FSDP2 (DTensor) parameters are refused before anything is written: the
+    global top-T set and the ratio r of a scope must be taken over every rank's
+    shard, which this step does not do yet (it would silently compute another
+    algorithm). DDP (plain, replicated tensors) is exact."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    if dtensor is not None and any(isinstance(p, dtensor) for s in scopes for p in s.params):
+        raise ValueError("PrunAdag does not support DTensor (FSDP2-sharded) parameters yet: its global top-T "
+                         "selection would be taken per shard. Use DDP (exact), or keep the pruned parameters "
+                         "out of fully_shard; nothing was updated")
+
+
 def prunadag(
     params: List[Tensor],
     grads: List[Tensor],
@@ -781,6 +795,7 @@ class PrunAdag(torch.optim.Optimizer):
         scopes = self._scopes()
         if not scopes:
             return loss
+        _refuse_dtensors(scopes)
         group0 = self.param_groups[0]
         # the accumulators follow their params (state is created like them and
         # load_state_dict casts it); the kernels check them again
