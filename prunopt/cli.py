@@ -165,7 +165,9 @@ def _check_train(sub: argparse.ArgumentParser, args: argparse.Namespace) -> argp
             raise ValueError("--method is required (or --resume DIR to continue an interrupted run)")
         if args.density is None:
             args.density = 1.0 - args.sparsity if args.sparsity is not None else 0.1
-        if args.out is not None:
+        # rank 0 alone writes --out, so it alone checks it: another rank looking
+        # later could see the staging directory rank 0 has already created
+        if args.out is not None and (env is None or env[0] == 0):
             check_out(args.out)
     entry = METHODS[args.method]
     if args.fsdp:

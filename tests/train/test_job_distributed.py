@@ -196,3 +196,24 @@ def test_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "one")
     with pytest.raises(ValueError, match=re.escape("RANK must be an integer")):
         torchrun_environment()
+
+
+def test_rank_0_alone_checks_out(tmp_path, monkeypatch, capsys):
+    """Rank 0 alone writes --out, so it alone checks it: a rank that parses its
+    arguments after rank 0 has created the staging directory must not take it
+    for an interrupted run (it exited with a usage error, and rank 0 stopped in
+    its next collective)."""
+    from prunopt.cli import build_parser, check_arguments
+    from prunopt.train.output import staging_path
+
+    out = tmp_path / "run"
+    os.makedirs(staging_path(str(out)))  # what rank 0 creates when its run starts
+    for k, v in TORCHRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    argv = ["train", "--method", "prunadag", "--out", str(out)]
+    assert "an interrupted run is staged" in _usage_error(argv, capsys)  # rank 0 still checks
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    parser = build_parser()
+    args = check_arguments(parser, parser.parse_args(argv))
+    assert args.out == str(out)
