@@ -51,10 +51,14 @@ TORCH_LIBRARY(prunopt, m) {
   // `found_nonfinite` a non-finite gradient raises on the CPU; with it (one
   // float32 element on the params' device) the op sets it to 1 and writes
   // nothing, and writes nothing when it is already non-zero (no host sync).
+  // With `selection` (float64 [tau, r] on the params' device: the threshold of
+  // eq. 2.6 and the ratio of Table 1, e.g. agreed over several processes) the
+  // op takes R = {|g| >= tau} and r as given (`relevant` is not used) and runs
+  // the finiteness check and the element pass only.
   m.def("topk_threshold(Tensor[] values, int k) -> Tensor");
   m.def(
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
-      "Tensor hyper, int relevant, int version, Tensor(d!)? found_nonfinite=None) -> ()");
+      "Tensor hyper, int relevant, int version, Tensor(d!)? found_nonfinite=None, Tensor? selection=None) -> ()");
 
   // Differentiable sparsification (Lee) and two-temperature
   // architecture pruning (Colombo & Gao). Kernels: csrc/cpu/{rgf_relu,

@@ -1264,13 +1264,31 @@ at::Tensor topk_threshold_cpu(at::TensorList values, int64_t k) {
 
 void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
     at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version,
-    const std::optional<at::Tensor>& found_nonfinite) {
+    const std::optional<at::Tensor>& found_nonfinite, const std::optional<at::Tensor>& selection) {
   const char* op = "prunadag_step_";
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, op, ": version must be 0 (relevant_only) or 1..4, got ", version);
+  // A given selection [tau, r] (the global threshold and ratio of a scope
+  // whose elements are spread over several processes) replaces steps 2 and the
+  // ratio's norms: this call only checks finiteness and runs the element pass.
+  const bool given = selection.has_value() && selection->defined();
+  double given_tau = 0.0, given_r = 0.0;
+  if (given) {
+    const auto& sel = *selection;
+    TORCH_CHECK_VALUE(sel.scalar_type() == at::kDouble && sel.numel() == 2 && sel.device().is_cpu(), op,
+        ": selection must be a float64 tensor of 2 elements [tau, r] on the CPU, got ", sel.scalar_type(), " ",
+        sel.sizes(), " on ", sel.device());
+    const at::Tensor sc = sel.contiguous();
+    given_tau = sc.data_ptr<double>()[0];
+    given_r = sc.data_ptr<double>()[1];
+    TORCH_CHECK_VALUE(std::isfinite(given_tau) && given_tau >= 0.0, op,
+        ": selection[0] (the threshold tau) must be finite and >= 0, got ", given_tau);
+    TORCH_CHECK_VALUE(std::isfinite(given_r) && given_r >= 0.0, op,
+        ": selection[1] (the ratio r) must be finite and >= 0, got ", given_r);
+  }
   if (nt > 0 && is_reduced_float(params[0].scalar_type())) {
     // float16 / bfloat16: computed in float32, stored in the params' dtype
-    return step_in_float32(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite,
+    return step_in_float32(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite, selection,
         /*host_flag=*/true, &prunadag_step_cpu);
   }
   const bool flagged = found_nonfinite.has_value() && found_nonfinite->defined();
@@ -1335,10 +1353,32 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   if (total == 0) {
     return;
   }
-  TORCH_CHECK_VALUE(n_pruned == 0 || (relevant >= 1 && relevant <= n_pruned), op,
+  TORCH_CHECK_VALUE(given || n_pruned == 0 || (relevant >= 1 && relevant <= n_pruned), op,
       ": relevant (T) must be in [1, n=", n_pruned, "], got ", relevant);
   bool skipped = false;
   AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_step_", [&] {
+    if (given) {
+      const scalar_t tau = static_cast<scalar_t>(given_tau);
+      TORCH_CHECK_VALUE(static_cast<double>(tau) == given_tau, op, ": selection[0] (the threshold tau) must be a ",
+          "value of the params' dtype, got ", given_tau);
+      try {
+        scalar_t unused;
+        if (any_wd) {
+          sampled_select<scalar_t, true, false>(segs, total, n_pruned, 0, op, "grads", unused);
+        } else {
+          sampled_select<scalar_t, false, false>(segs, total, n_pruned, 0, op, "grads", unused);
+        }
+      } catch (const c10::ValueError&) {
+        if (!flagged) {
+          throw;
+        }
+        found_nonfinite->fill_(1.0);
+        skipped = true;
+        return;
+      }
+      update_pass<scalar_t>(segs, total, tau, given_r, static_cast<int>(version));
+      return;
+    }
     // T >= n: every element is relevant; the pass only checks finiteness.
     const int64_t k = (n_pruned == 0 || relevant >= n_pruned) ? 0 : relevant;
     // The ratio r (versions 1, 3, relevant_only) needs the norms, which read x.

@@ -423,6 +423,16 @@ __global__ void __launch_bounds__(kThreads) update_kernel(Meta m, const double* 
   }
 }
 
+// A selection given by the caller ([tau, r] in float64 on the device): the
+// threshold becomes the radix prefix with every bit known, and the ratio is
+// taken as it is (set after the first pass, which has flagged non-finite values).
+template <typename scalar_t>
+__global__ void given_selection_kernel(State* st, const double* sel) {
+  st->prefix = static_cast<unsigned long long>(magnitude_key<scalar_t>(static_cast<scalar_t>(sel[0])));
+  st->pmask = ~0ull;
+  st->r = sel[1];
+}
+
 __global__ void write_tau_kernel(const State* st, float* out_f, double* out_d) {
   if (out_f != nullptr) {
     *out_f = st->bad ? __int_as_float(0x7fc00000) : tau_of<float>(st);
@@ -506,7 +516,7 @@ at::Tensor topk_threshold_cuda(at::TensorList values, int64_t k) {
 
 void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
     at::TensorList grads, const at::Tensor& hyper, int64_t relevant, int64_t version,
-    const std::optional<at::Tensor>& found_nonfinite) {
+    const std::optional<at::Tensor>& found_nonfinite, const std::optional<at::Tensor>& selection) {
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, "prunadag_step_: version must be 0 (relevant_only) or 1..4, got ",
       version);
   const size_t nt = params.size();
@@ -516,10 +526,19 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   if (is_reduced_float(params[0].scalar_type())) {
     // float16 / bfloat16: computed in float32, stored in the params' dtype (the
     // copy back runs unconditionally: no host synchronisation on the flag)
-    return step_in_float32(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite,
+    return step_in_float32(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite, selection,
         /*host_flag=*/false, &prunadag_step_cuda);
   }
   const auto& p0 = params[0];
+  // A given [tau, r] is read on the device (its values are the caller's to
+  // check: reading them here would synchronise)
+  const bool given = selection.has_value() && selection->defined();
+  if (given) {
+    const auto& sel = *selection;
+    TORCH_CHECK_VALUE(sel.scalar_type() == at::kDouble && sel.numel() == 2 && sel.device() == p0.device() &&
+        sel.is_contiguous(), "prunadag_step_: selection must be a contiguous float64 tensor of 2 elements [tau, r] on ",
+        p0.device(), ", got ", sel.scalar_type(), " ", sel.sizes(), " on ", sel.device());
+  }
   float* flag = nullptr;
   if (found_nonfinite.has_value() && found_nonfinite->defined()) {
     const auto& f = *found_nonfinite;
@@ -564,7 +583,7 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   if (hs.empty()) {
     return;
   }
-  TORCH_CHECK_VALUE(relevant >= 0, "prunadag_step_: relevant (T) must be >= 0, got ", relevant);
+  TORCH_CHECK_VALUE(given || relevant >= 0, "prunadag_step_: relevant (T) must be >= 0, got ", relevant);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto batches = make_batches(hs);
   const unsigned int nblocks = count_blocks(batches);
@@ -573,12 +592,16 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   char* base = static_cast<char*>(buf.data_ptr());
   auto* ghist = reinterpret_cast<unsigned long long*>(base + kHistOffset);
   auto* partials = reinterpret_cast<double*>(base + kPartialsOffset);
-  init_state<<<1, kThreads, 0, stream>>>(st, ghist, relevant, 1);
+  // given: k = 0, so the radix passes only flag non-finite gradients
+  init_state<<<1, kThreads, 0, stream>>>(st, ghist, given ? 0 : relevant, given ? 0 : 1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const double* hyp = h.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_step_", [&] {
     select<scalar_t>(batches, hyp, true, st, ghist, flag, stream);
-    if (uses_ratio(static_cast<int>(version))) {  // versions 2 and 4 need no norms
+    if (given) {
+      given_selection_kernel<scalar_t><<<1, 1, 0, stream>>>(st, selection->data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else if (uses_ratio(static_cast<int>(version))) {  // versions 2 and 4 need no norms
       for (const Meta& m : batches) {
         norms_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, partials, nblocks);
         C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,5 +1,15 @@
 """prunAdag ops: the global top-T threshold ``topk_threshold`` (eq. 2.6) and
 the fused step ``prunadag_step_`` (called by :class:`prunopt.optim.PrunAdag`).
+
+``torch.ops.prunopt.prunadag_step_(params, opt_sums, dec_sums, grads, hyper,
+relevant, version, found_nonfinite=None, selection=None)`` updates one
+selection scope in place. ``hyper`` is float64 ``(len(params), 6)``: per tensor
+``[lr_k, lr_k / (k+1), weight_decay, eps, maximize, prune]``; ``relevant`` is
+the resolved ``T``; ``version`` 1-4, or 0 for "relevant_only". With
+``selection`` (float64 ``[tau, r]`` on the params' device) the relevant set is
+``{|g| >= tau}`` and the ratio of Table 1 is ``r`` as given (``relevant`` is
+not used): the step of one process's shards of a scope whose threshold and
+ratio were agreed over several processes (see :mod:`prunopt.optim._sharded`).
 Kernels: ``csrc/cpu/prunadag.cpp``, ``csrc/cuda/prunadag.cu``; reference:
 :mod:`prunopt.reference.prunadag`."""
 from __future__ import annotations
@@ -68,5 +78,9 @@ if extension_available():
         return values[0].new_empty(())
 
     @torch.library.register_fake("prunopt::prunadag_step_")
-    def _prunadag_step_fake(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite=None):
+    def _prunadag_step_fake(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite=None,
+                            selection=None):
+        if selection is not None and (selection.dtype != torch.float64 or selection.numel() != 2):
+            raise ValueError("prunadag_step_: selection must be a float64 tensor of 2 elements [tau, r], got "
+                             f"{selection.dtype} of shape {tuple(selection.shape)}")
         return None

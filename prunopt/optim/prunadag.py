@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 from prunopt._extension import extension_available
+from prunopt.optim._sharded import sharded_view
 from prunopt.reference.prunadag import (VERSIONS, TensorHyper, effective_grad, prunadag_step_reference, resolve_relevant,
                                         step_lr)
 
@@ -215,26 +215,32 @@ def _check_finite(scopes: List[_Scope]) -> None:
                 raise ValueError("PrunAdag: grads contain a non-finite value; the step was skipped (nothing was updated)")
 
 
-def _single_tensor_scope(s: _Scope, T: int) -> None:
+def _single_tensor_scope(s: _Scope, T: int, selection: Optional[tuple] = None) -> None:
     hypers = [TensorHyper(**{**h.__dict__, "k": float(st.item())}) for h, st in zip(s.hypers, s.steps)]
-    prunadag_step_reference(s.params, s.grads, s.opt_sums, s.dec_sums, hypers, T, s.version)
+    if selection is not None:
+        tau, ratio = selection
+        selection = (0.0 if tau is None else float(tau), float(ratio))
+    prunadag_step_reference(s.params, s.grads, s.opt_sums, s.dec_sums, hypers, T, s.version, selection)
 
 
-def _foreach_scope(s: _Scope, T: int, flag: Optional[Tensor] = None) -> None:
+def _foreach_scope(s: _Scope, T: int, flag: Optional[Tensor] = None, selection: Optional[tuple] = None) -> None:
     """Batched path: one flat buffer per role, whole-vector ops, then copy back.
 
     No host synchronisation and no host read (so no graph break under
     ``torch.compile``): the per-tensor scalars come from :func:`_hyper_tensor`,
     the threshold and the ratio ``r`` stay tensors. With ``flag`` (a
     one-element float32 tensor, 1 if the step must be skipped) every write
-    keeps the old values where the flag is set."""
+    keeps the old values where the flag is set. ``selection=(tau, r)`` (0-dim
+    tensors; ``tau=None``: every element relevant) gives the threshold and
+    the ratio instead of computing them from ``T`` (a scope sharded over
+    several processes)."""
     if not s.params:
         return
     dtypes = {p.dtype for p in s.params}
     if len(dtypes) > 1 or len({p.device for p in s.params}) > 1:
         if flag is not None and bool(flag.item() != 0):
             return
-        return _single_tensor_scope(s, T)  # a flat buffer needs one dtype and device
+        return _single_tensor_scope(s, T, selection)  # a flat buffer needs one dtype and device
     with torch.no_grad():
         sizes = [p.numel() for p in s.params]
         total = sum(sizes)
@@ -257,7 +263,12 @@ def _foreach_scope(s: _Scope, T: int, flag: Optional[Tensor] = None) -> None:
         prune = None if all_pruned else per_elem(hyper[:, 5] != 0)
         n = sum(sz_ for sz_, h in zip(sizes, s.hypers) if h.prune)
         ag = g.abs()
-        if n > 0 and T < n:
+        if selection is not None:
+            tau = selection[0]
+            rel = torch.ones_like(ag, dtype=torch.bool) if tau is None else ag >= tau.to(ag.dtype)
+            if not all_pruned and tau is not None:
+                rel |= ~prune
+        elif n > 0 and T < n:
             # the T-th largest |g| of the pruned elements: the others rank below
             # every |g| >= 0 as -1 (no boolean indexing: static shapes)
             tau = torch.kthvalue(ag if all_pruned else torch.where(prune, ag, -1.0), total - T + 1).values
@@ -274,7 +285,10 @@ def _foreach_scope(s: _Scope, T: int, flag: Optional[Tensor] = None) -> None:
         if s.version in (2, 4):
             scale = per_elem(hyper[:, 1])
         else:
-            ratio = torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
+            if selection is not None:
+                ratio = selection[1].to(device=x_m.device, dtype=torch.float64)
+            else:
+                ratio = torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
             scale = per_elem(hyper[:, 1] * ratio)
         so_new = so + g * g
         s_opt = (g * -lr_k) / (so_new.sqrt() + eps)
@@ -347,12 +361,21 @@ def _hyper_tensor(s: _Scope) -> Tensor:
     return torch.cat([torch.stack([lr_k, lr_k / (k + 1.0)], dim=1), consts], dim=1)
 
 
-def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None) -> None:
+def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None,
+                 selection: Optional[tuple] = None) -> None:
     if not s.params:
         return
+    sel = None
+    if selection is not None:
+        tau, ratio = selection
+        dev = s.params[0].device
+        tau = torch.zeros((), dtype=torch.float64, device=dev) if tau is None else tau.to(dev, torch.float64)
+        sel = torch.stack([tau.reshape(()), ratio.to(dev, torch.float64).reshape(())])
+        if dev.type != "cuda":
+            sel = sel.cpu()
     torch.ops.prunopt.prunadag_step_(
         s.params, s.opt_sums, s.dec_sums, s.grads, _hyper_tensor(s), T,  # the kernels make grads contiguous
-        _version_code(s.version), found_nonfinite,
+        _version_code(s.version), found_nonfinite, sel,
     )
 
 
@@ -415,17 +438,105 @@ def _run_scopes(scopes: List[_Scope], impl: str, found_nonfinite: Optional[Tenso
         torch._foreach_add_(steps, 1)
 
 
-def _refuse_dtensors(scopes: List[_Scope]) -> None:
-    """FSDP2 (DTensor) parameters are refused before anything is written: the
-    global top-T set and the ratio r of a scope must be taken over every rank's
-    shard, which this step does not do yet (it would silently compute another
-    algorithm). DDP (plain, replicated tensors) is exact."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
-    if dtensor is not None and any(isinstance(p, dtensor) for s in scopes for p in s.params):
-        raise ValueError("PrunAdag does not support DTensor (FSDP2-sharded) parameters yet: its global top-T "
-                         "selection would be taken per shard. Use DDP (exact), or keep the pruned parameters "
-                         "out of fully_shard; nothing was updated")
+def _local_scope(s: _Scope, view) -> _Scope:
+    """The part of a scope this rank holds (views of the local shards)."""
+    loc = _Scope()
+    loc.params = [view.local(t) for t in s.params]
+    loc.grads = [view.local(t) for t in s.grads]
+    loc.opt_sums = [view.local(t) for t in s.opt_sums]
+    loc.dec_sums = [view.local(t) for t in s.dec_sums]
+    loc.steps, loc.hypers, loc.relevant, loc.version = list(s.steps), list(s.hypers), s.relevant, s.version
+    return loc
+
+
+def _selection_keys(loc: _Scope, counted: List[bool]):
+    """The pruned local ``|g|`` keys of a scope for the threshold (effective
+    gradients: the raw ones when no weight decay changes them; one dtype,
+    float64 if the scope mixes dtypes), with whether each one is counted here."""
+    keys, flags = [], []
+    for p, g, h, c in zip(loc.params, loc.grads, loc.hypers, counted):
+        if h.prune:
+            keys.append(g if h.weight_decay == 0 else effective_grad(p, g, h))
+            flags.append(c)
+    if len({k.dtype for k in keys}) > 1:
+        keys = [k.double() for k in keys]
+    return keys, flags
+
+
+def _local_norms(loc: _Scope, counted: List[bool], tau: Optional[Tensor]):
+    """This rank's share of ``||g||_R^2`` and ``||x||_M^2`` (Table 1), as 0-dim
+    float64 tensors (no host read)."""
+    g_r = torch.zeros((), dtype=torch.float64, device=loc.params[0].device if loc.params else None)
+    x_m = g_r.clone()
+    for p, g, h, c in zip(loc.params, loc.grads, loc.hypers, counted):
+        if not (h.prune and c) or p.numel() == 0:
+            continue
+        ge = effective_grad(p, g, h)
+        ag = ge.abs()
+        rel = torch.ones_like(ag, dtype=torch.bool) if tau is None else (
+            ag >= tau if tau.dtype == ag.dtype else ag.to(tau.dtype) >= tau)
+        m = (~rel) & (p * ge > 0)
+        g_r = g_r + torch.where(rel, ge, 0).double().square().sum()
+        x_m = x_m + torch.where(m, p, 0).double().square().sum()
+    return g_r, x_m
+
+
+def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: Optional[Tensor] = None) -> None:
+    """One step over scopes whose parameters are sharded (FSDP2 DTensors): the
+    threshold ``tau`` of each scope is selected over its logical tensors on
+    every rank (exact, :func:`prunopt.distributed.topk_threshold`), the norms
+    of the ratio ``r`` are summed over the ranks (one ``all_reduce`` for all
+    scopes), and each rank runs the element pass of the chosen path on its
+    local shards with that ``tau`` and ``r``: the step of one process on the
+    whole parameters, to the rounding of the norms' sums.
+
+    Non-finite gradients on any rank: every rank raises ``ValueError`` (or,
+    with ``found_nonfinite``, sets it to 1) before anything is written."""
+    locs = [_local_scope(s, view) for s in scopes]
+    counted = [[view.counts(p) for p in s.params] for s in scopes]
+    # 1) finiteness over every rank, agreed before anything is written
+    bad = [(~torch.isfinite(effective_grad(p, g, h))).sum() for loc in locs
+           for p, g, h in zip(loc.params, loc.grads, loc.hypers)]
+    total_bad = view.sum([torch.stack(bad).sum() if bad else 0])
+    if bool(total_bad.item() != 0):
+        if found_nonfinite is not None:
+            found_nonfinite.fill_(1.0)
+            return
+        raise ValueError("PrunAdag: grads contain a non-finite value (on at least one rank); the step was skipped "
+                         "(nothing was updated)")
+    # 2) the threshold of each scope over its logical tensors (T of the global n)
+    taus, targets = [], []
+    for s, loc, cnt in zip(scopes, locs, counted):
+        n = s.n()
+        T = s.target()
+        targets.append(T)
+        if n > 0 and T < n:
+            keys, flags = _selection_keys(loc, cnt)
+            taus.append(view.threshold(keys, flags, T))
+        else:
+            taus.append(None)  # T >= n: every element is relevant
+    # 3) the ratio's norms, summed over the ranks in one all_reduce
+    needs = [i for i, s in enumerate(scopes) if s.version not in (2, 4) and s.n() > 0]
+    ratios = [torch.zeros((), dtype=torch.float64, device=view.device) for _ in scopes]
+    if needs:
+        parts = []
+        for i in needs:
+            parts.extend(_local_norms(locs[i], counted[i], taus[i]))
+        sums = view.sum(parts)
+        for j, i in enumerate(needs):
+            g_r, x_m = sums[2 * j], sums[2 * j + 1]
+            ratios[i] = torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
+    # 4) the element pass on the local shards
+    for loc, T, tau, r in zip(locs, targets, taus, ratios):
+        if impl == "fused":
+            _fused_scope(loc, T, found_nonfinite, (tau, r))
+        elif impl == "foreach":
+            _foreach_scope(loc, T, None, (tau, r))
+        else:
+            _single_tensor_scope(loc, T, (tau, r))
+    steps = [st for s in scopes for st in s.steps]
+    if steps:
+        torch._foreach_add_(steps, 1)
 
 
 def prunadag(
@@ -595,6 +706,24 @@ class PrunAdag(torch.optim.Optimizer):
     ``torch.compile(optimizer.step)``: the fused and foreach paths read nothing
     on the host (no graph break), a tensor ``lr`` changed by a scheduler needs
     no recompilation and a float one one (as for ``torch.optim.Adagrad``).
+
+    Distributed: under DDP every rank holds the whole (replicated) parameters
+    and the averaged gradient, so every rank takes the one-process step. Under
+    FSDP2 (``fully_shard``: DTensor parameters, each rank a shard) the step
+    selects over the *logical* parameters: each scope's threshold is the exact
+    top-``T`` over every rank's shards (:func:`prunopt.distributed.topk_threshold`,
+    bit-identical to one process), its ratio ``r`` sums the norms over the
+    ranks, and each rank runs the chosen path (fused, foreach, single-tensor)
+    on its shards with that threshold and ratio: the one-process step on the
+    full parameters, to the rounding of the norms' sums. Scope ``"tensor"``
+    selects over each logical tensor, never per shard. The state
+    (``sum``, ``decrease_sum``) is sharded like the parameters (DTensors), so
+    ``torch.distributed.checkpoint`` saves and loads it like torch's
+    optimizers' state. Per step and scope this costs the threshold's
+    collectives (3 ``all_reduce`` of at most 16 KB for float32, 6 for float64)
+    plus, for all scopes together, one ``all_reduce`` of the finiteness count
+    and one of the norms; the sharded step is not traced by ``torch.compile``
+    (its collectives and host reads break the graph).
 
     Long runs: the decreasable weights decay geometrically towards 0 (eq. 2.16)
     and in float32 reach the denormals after ~10^3 steps of a consistent sign;
@@ -795,12 +924,27 @@ class PrunAdag(torch.optim.Optimizer):
         scopes = self._scopes()
         if not scopes:
             return loss
-        _refuse_dtensors(scopes)
         group0 = self.param_groups[0]
         # the accumulators follow their params (state is created like them and
         # load_state_dict casts it); the kernels check them again
         tensors = [t for s in scopes for t in s.params + s.grads]
         _check_grads(scopes)  # sparse / complex: TypeError before the path is chosen (fused=True)
+        view = sharded_view([p for s in scopes for p in s.params])
+        if view is not None:
+            # FSDP2: the selection spans every rank's shards (no torch.compile
+            # graph: the collectives and the threshold's host reads break it)
+            local = [view.local(t) for t in tensors]
+            impl = _choose_impl(local, group0["foreach"], group0["fused"])
+            _check_steps([st for s in scopes for st in s.steps])
+            flag = None
+            if impl == "fused" and local[0].is_cuda:
+                flag = self.found_nonfinite
+                if flag is None or flag.device != local[0].device:
+                    flag = self.found_nonfinite = self._new_flag(local[0].device)
+                else:
+                    flag.zero_()
+            _run_scopes_sharded(scopes, impl, view, flag)
+            return loss
         impl = _choose_impl(tensors, group0["foreach"], group0["fused"])
         flag = None
         if (impl == "fused" and tensors[0].is_cuda) or torch.compiler.is_compiling():

@@ -23,6 +23,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from prunopt.optim._sharded import sharded_view
 from prunopt.reference.prunadag import resolve_relevant
 
 __all__ = ["SFW"]
@@ -56,6 +57,13 @@ class SFW(torch.optim.Optimizer):
     the largest of them, so parameters that miss a step do not restart the
     schedule). ``lr`` lives in the param groups, so LR schedulers (``StepLR``,
     ``OneCycleLR``, ``ReduceLROnPlateau``, ...) drive the step size.
+
+    Distributed: under FSDP2 (DTensor parameters) the LMO's top-``T`` set and
+    every norm are taken over the logical parameters of all ranks (the exact
+    sharded threshold of :func:`prunopt.distributed.topk_threshold`, norms
+    summed with ``all_reduce``), and each rank updates its shards: the
+    one-process step to the rounding of those sums. Momentum buffers are
+    sharded like the parameters.
 
     Args:
         params: parameters or param groups. The LMO is global: the top-T set
@@ -191,10 +199,26 @@ class SFW(torch.optim.Optimizer):
                     f"SFW: a parameter of shape {tuple(p.shape)} has more than one element referring to a single "
                     f"memory location (stride {tuple(p.stride())}, e.g. an expand()-ed tensor), so it cannot be "
                     "updated in place; clone() it. Nothing was updated")
-        devices = {p.device for p in params}
+        # FSDP2 (DTensor parameters): the LMO selects over the logical tensors
+        # of every rank; each rank updates its own shards
+        view = sharded_view(params)
+        local = view.local if view is not None else (lambda t: t)
+        counted = [view.counts(p) for p in params] if view is not None else [True] * len(params)
+
+        def total(parts: List[Tensor]) -> Tensor:
+            """The sum of 0-dim float64 local contributions (over every rank when sharded)."""
+            t = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+            return view.sum([t])[0] if view is not None else t
+
+        devices = {local(p).device for p in params}
         if len(devices) > 1:
             raise ValueError(f"SFW needs all parameters on one device (the LMO is global), got {sorted(map(str, devices))}")
-        if not bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()):
+        if view is not None:
+            bad = total([(~torch.isfinite(local(p.grad))).sum().double() for p in params])
+            finite = bool(bad.item() == 0)
+        else:
+            finite = bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all())
+        if not finite:
             raise ValueError("SFW: grads contain a non-finite value; the step was skipped (nothing was updated)")
         n = sum(p.numel() for p in params)
         if n == 0:
@@ -213,25 +237,34 @@ class SFW(torch.optim.Optimizer):
             dirs.append(d)
         # --- eq. 1.2: LMO on the T-support-norm ball (mixed dtypes: the
         # threshold in float64, which holds every float16/bfloat16/float32 value exactly)
-        sel = [d for d in dirs if d.numel() > 0]
-        if len({d.dtype for d in sel}) > 1:
-            sel = [d.double() for d in sel]
-        tau = topk_threshold(sel, T)
-        rel = [(d.abs() if d.dtype == tau.dtype else d.abs().to(tau.dtype)) >= tau for d in dirs]  # exact
-        g_r = torch.stack([(d.double().pow(2) * r).sum() for d, r in zip(dirs, rel)]).sum().sqrt()
+        ldirs = [local(d) for d in dirs]
+        lparams = [local(p) for p in params]
+        if view is not None:
+            sel = ldirs
+            if len({d.dtype for d in sel}) > 1:
+                sel = [d.double() for d in sel]
+            tau = view.threshold(sel, counted, T)
+        else:
+            sel = [d for d in dirs if d.numel() > 0]
+            if len({d.dtype for d in sel}) > 1:
+                sel = [d.double() for d in sel]
+            tau = topk_threshold(sel, T)
+        rel = [(d.abs() if d.dtype == tau.dtype else d.abs().to(tau.dtype)) >= tau for d in ldirs]  # exact
+        g_r = total([(d.double().pow(2) * r).sum() for d, r, c in zip(ldirs, rel, counted) if c]).sqrt()
         nonzero = g_r > 0
         # v = -radius d / ||d||_R on R, 0 elsewhere; v = x for a zero direction (no move)
         scale = torch.where(nonzero, -radius / g_r, torch.zeros_like(g_r))
         vs = [torch.where(nonzero, torch.where(r, d * scale.to(d.dtype), torch.zeros_like(d)), p)
-              for p, d, r in zip(params, dirs, rel)]
+              for p, d, r in zip(lparams, ldirs, rel)]
         # --- step sizes: eta = clamp(lr * c, 0, 1) per group, c global
         factors = {}
         rescales = {g["rescale"] for g in groups}
         if rescales & {"gradient", "fw2"}:
-            dist = torch.stack([(v.double() - p.double()).pow(2).sum() for v, p in zip(vs, params)]).sum().sqrt()
+            dist = total([(v.double() - p.double()).pow(2).sum()
+                          for v, p, c in zip(vs, lparams, counted) if c]).sqrt()
             safe = torch.where(dist > 0, dist, torch.ones_like(dist))
             if "gradient" in rescales:
-                d_norm = torch.stack([d.double().pow(2).sum() for d in dirs]).sum().sqrt()
+                d_norm = total([d.double().pow(2).sum() for d, c in zip(ldirs, counted) if c]).sqrt()
                 factors["gradient"] = torch.where(dist > 0, d_norm / safe, torch.zeros_like(dist))
             if "fw2" in rescales:
                 factors["fw2"] = torch.where(dist > 0, g_r / safe, torch.zeros_like(dist))
@@ -252,12 +285,12 @@ class SFW(torch.optim.Optimizer):
                                else min(max(float(eta), 0.0), 1.0))
         # --- eq. 1.3, then the state (momentum buffers, step counters)
         k_next = (k + 1.0).to(torch.float32) if k is not None else torch.tensor(1.0)
-        for p, group, v, d in zip(params, groups, vs, dirs):
+        for p, lp, group, v, d in zip(params, lparams, groups, vs, dirs):
             eta = etas[id(group)]
             if isinstance(eta, Tensor):
-                p.add_((v - p) * eta.to(device=p.device, dtype=p.dtype))
+                lp.add_((v - lp) * eta.to(device=lp.device, dtype=lp.dtype))
             else:
-                p.add_(v - p, alpha=eta)
+                lp.add_(v - lp, alpha=eta)
             state = self.state[p]
             if group["momentum"] > 0:
                 state["momentum_buffer"] = d

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ __all__ = [
     "step_lr",
     "topk_threshold_reference",
     "effective_grad",
+    "prunadag_norms_reference",
     "prunadag_step_reference",
     "support_norm_lmo_reference",
 ]
@@ -140,6 +141,28 @@ def effective_grad(x: Tensor, g: Tensor, hp: TensorHyper) -> Tensor:
     return d if hp.weight_decay == 0 else d.add(x, alpha=hp.weight_decay)
 
 
+def prunadag_norms_reference(params: List[Tensor], grads: List[Tensor], hypers: List[TensorHyper],
+                             tau) -> Tuple[float, float]:
+    r"""The squared norms of Table 1's ratio for a given threshold, over the
+    pruned tensors of one scope: :math:`\|g\|_R^2` over
+    :math:`R = \{|g| \ge \tau\}` and :math:`\|x\|_M^2` over the sign-matched
+    irrelevant set :math:`M = \{i \notin R : x_i g_i > 0\}` (effective
+    gradients; float64 sums). ``tau=None`` means every element is relevant.
+    Summed over the parts of a scope split between processes, they give the
+    ratio :math:`r = \|g\|_R / \|x\|_M` of the whole scope."""
+    g_r = x_m = 0.0
+    with torch.no_grad():
+        for x, g, hp in zip(params, grads, hypers):
+            if not hp.prune or x.numel() == 0:
+                continue
+            ge = effective_grad(x, g, hp)
+            rel = torch.ones_like(ge, dtype=torch.bool) if tau is None else ge.abs() >= tau
+            m = (~rel) & (x * ge > 0)
+            g_r += (ge.double().pow(2) * rel).sum().item()
+            x_m += (x.double().pow(2) * m).sum().item()
+    return g_r, x_m
+
+
 def prunadag_step_reference(
     params: List[Tensor],
     grads: List[Tensor],
@@ -148,6 +171,7 @@ def prunadag_step_reference(
     hypers: List[TensorHyper],
     T: int,
     version,
+    selection: Optional[Tuple[float, float]] = None,
 ) -> None:
     """One prunAdag step (Algorithm 2.1) on one selection scope, in place.
 
@@ -156,6 +180,12 @@ def prunadag_step_reference(
     always optimisable and do not count in ``n``, ``T``, ``r``). ``T`` is the
     resolved target of eq. 2.6 (``1 <= T <= n`` when ``n > 0``). Raises
     ``ValueError`` before writing anything if an effective gradient is not finite.
+
+    ``selection=(tau, r)`` gives the threshold of eq. 2.6 and the ratio of
+    Table 1 instead of computing them from ``T`` (which is then not used):
+    the relevant set is ``{|g| >= tau}`` (``tau = 0``: every element). This is
+    the step of one process's part of a scope whose elements are spread over
+    several processes, with ``tau`` and ``r`` agreed over all of them.
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
@@ -166,8 +196,15 @@ def prunadag_step_reference(
                 raise ValueError(f"grads[{i}] has a non-finite value; the step is skipped (nothing was updated)")
         pruned = [i for i, hp in enumerate(hypers) if hp.prune and gs[i].numel() > 0]
         n = sum(gs[i].numel() for i in pruned)
-        # Step 1, eq. 2.6: R = {|g| >= tau}, tau the T-th largest |g| (ties all relevant)
-        tau = topk_threshold_reference([gs[i] for i in pruned], T) if n > 0 and T < n else None
+        if selection is not None:
+            tau, ratio = selection
+            tau = tau if tau > 0 else None
+        else:
+            # Step 1, eq. 2.6: R = {|g| >= tau}, tau the T-th largest |g| (ties all relevant)
+            tau = topk_threshold_reference([gs[i] for i in pruned], T) if n > 0 and T < n else None
+            # Table 1 ratio r = ||g||_R / ||x||_M (float64; prunopt reads the paper's S as M)
+            g_r, x_m = prunadag_norms_reference(params, grads, hypers, tau)
+            ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
         rel = []
         for i, g in enumerate(gs):
             if i in pruned and tau is not None:
@@ -176,10 +213,6 @@ def prunadag_step_reference(
                 rel.append(torch.ones_like(g, dtype=torch.bool))
         # Step 4: sign-matched irrelevant set M = {i not in R : x_i g_i > 0}
         match = [(~r) & (x * g > 0) for x, g, r in zip(params, gs, rel)]
-        # Table 1 ratio r = ||g||_R / ||x||_M (float64; prunopt reads the paper's S as M)
-        g_r = sum((gs[i].double().pow(2) * rel[i]).sum().item() for i in pruned) if pruned else 0.0
-        x_m = sum((params[i].double().pow(2) * match[i]).sum().item() for i in pruned) if pruned else 0.0
-        ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
         for x, g, so, sd, r, m, hp in zip(params, gs, opt_sums, dec_sums, rel, match, hypers):
             lr_k = hp.lr_k
             if isinstance(lr_k, Tensor):  # a tensor lr of any one-element shape

@@ -130,6 +130,79 @@ def test_step_matches_reference(sizes, dtype, seed, version, frac, k, wd, maximi
 
 
 @needs_ext
+@given(
+    sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float16, torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    version=st.sampled_from([0, 1, 2, 3, 4]),
+    q=st.floats(0.0, 1.0),
+    ratio=st.sampled_from([0.0, 0.3, 2.5]),
+    wd=st.sampled_from([0.0, 0.1]),
+    maximize=st.booleans(),
+    unpruned_last=st.booleans(),
+    ties=st.booleans(),
+)
+def test_step_with_given_selection_matches_reference(sizes, dtype, seed, version, q, ratio, wd, maximize,
+                                                     unpruned_last, ties):
+    """A given [tau, r] (the threshold and ratio agreed over the processes that
+    share a scope): R = {|g| >= tau} and r as given, for tau anywhere among the
+    |g| values (quantile q; 0: every element relevant)."""
+    xs, gs, so, sd = _case(sizes, dtype, seed, ties)
+    hypers = [TensorHyper(lr=0.7, k=2.0, lr_decay=0.1, weight_decay=wd, eps=1e-8, maximize=maximize,
+                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
+              for i in range(len(sizes))]
+    keys = torch.cat([(-g if maximize else g).add(x, alpha=wd).abs().reshape(-1) for x, g in zip(xs, gs)])
+    tau = 0.0 if keys.numel() == 0 or q == 0.0 else float(keys.float().quantile(q).to(dtype))
+    ref = [[t.float() if dtype == torch.float16 else t.clone() for t in lst] for lst in (xs, so, sd)]
+    gref = [g.float() if dtype == torch.float16 else g for g in gs]
+    prunadag_step_reference(ref[0], gref, ref[1], ref[2], hypers, 0, "relevant_only" if version == 0 else version,
+                            selection=(tau, ratio))
+    out = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    sel = torch.tensor([tau, ratio], dtype=torch.float64)
+    torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], gs, _hyper_tensor(hypers), 0, version, None, sel)
+    tol = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.float32: dict(atol=1e-6, rtol=1e-5),
+           torch.float64: dict(atol=1e-13, rtol=1e-12)}[dtype]
+    for lo, lr in zip(out, ref):
+        for a, b in zip(lo, lr):
+            torch.testing.assert_close(a, b.to(a.dtype), **tol)
+
+
+@needs_ext
+def test_step_given_selection_of_the_own_threshold_is_the_plain_step():
+    """Given the scope's own tau and r, the op takes exactly the plain step."""
+    from prunopt.reference.prunadag import prunadag_norms_reference
+
+    xs, gs, so, sd = _case([3000, 517], torch.float32, 9, False)
+    hypers = [TensorHyper(lr=0.3, k=3.0, weight_decay=0.01) for _ in xs]
+    keys = [g.add(x, alpha=0.01) for x, g in zip(xs, gs)]
+    tau = topk_threshold(keys, 400)
+    g_r, x_m = prunadag_norms_reference(xs, gs, hypers, tau)
+    sel = torch.tensor([float(tau), math.sqrt(g_r) / math.sqrt(x_m)], dtype=torch.float64)
+    plain = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    torch.ops.prunopt.prunadag_step_(plain[0], plain[1], plain[2], gs, _hyper_tensor(hypers), 400, 3)
+    given = [[t.clone() for t in lst] for lst in (xs, so, sd)]
+    torch.ops.prunopt.prunadag_step_(given[0], given[1], given[2], gs, _hyper_tensor(hypers), 0, 3, None, sel)
+    for a, b in zip(plain, given):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-7)
+
+
+@needs_ext
+def test_step_given_selection_nonfinite_raises_or_flags_before_writing():
+    xs, gs, so, sd = _case([40, 7], torch.float32, 4, False)
+    gs[1][3] = float("inf")
+    hyp = _hyper_tensor([TensorHyper(lr=0.5) for _ in xs])
+    sel = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    before = [t.clone() for t in xs + so + sd]
+    with pytest.raises(ValueError, match="non-finite"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 0, 3, None, sel)
+    flag = torch.zeros(1)
+    torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 0, 3, flag, sel)
+    assert flag.item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(xs + so + sd, before))
+
+
+@needs_ext
 def test_step_float32_against_float64_reference():
     """One float32 kernel step is within float32 rounding of the float64 reference."""
     xs, gs, so, sd = _case([3000, 517], torch.float64, 5, False)
@@ -242,6 +315,8 @@ def test_opcheck():
     xs, gs, so, sd = _case([6, 1, 0, 9], torch.float64, 1, False)
     hyp = _hyper_tensor([TensorHyper(lr=0.5, k=1.0) for _ in xs])
     torch.library.opcheck(torch.ops.prunopt.prunadag_step_.default, (xs, so, sd, gs, hyp, 4, 3))
+    sel = torch.tensor([0.3, 1.5], dtype=torch.float64)
+    torch.library.opcheck(torch.ops.prunopt.prunadag_step_.default, (xs, so, sd, gs, hyp, 0, 1, None, sel))
     torch.library.opcheck(torch.ops.prunopt.topk_threshold.default, ([torch.randn(5, 3), torch.randn(7)], 4))
 
 

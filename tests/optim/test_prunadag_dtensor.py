@@ -1,10 +1,12 @@
-"""PrunAdag refuses DTensor (FSDP2-sharded) parameters with a clear error
-before writing anything (a per-shard selection would be another algorithm)."""
+"""PrunAdag and SFW on DTensor parameters in a one-rank process group (the
+multi-rank runs are in tests/distributed/test_prunadag_dist.py): the same
+steps as on plain tensors, the state stays a DTensor, the op's ``selection``
+argument is checked."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from prunopt.optim import PrunAdag
+from prunopt.optim import SFW, PrunAdag
 
 
 @pytest.fixture
@@ -17,15 +19,81 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_dtensor_parameters_are_a_value_error_and_nothing_changes(one_rank_group):
+def _pair(mesh, placement, seed=0):
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    plain = [torch.nn.Parameter(torch.randn(5, 3, generator=g, dtype=torch.float64)),
+             torch.nn.Parameter(torch.randn(4, generator=g, dtype=torch.float64))]
+    sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [placement])) for p in plain]
+    return plain, sharded
+
+
+@pytest.mark.parametrize("path", [dict(fused=True), dict(foreach=True), dict(foreach=False)])
+@pytest.mark.parametrize("version", [1, 3, 4, "relevant_only"])
+def test_dtensor_steps_equal_plain_steps(one_rank_group, path, version):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (1,))
-    w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
-    w.grad = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
-    before = w.detach().full_tensor().clone()
-    opt = PrunAdag([w], lr=0.1, relevant=0.5)
-    with pytest.raises(ValueError, match="DTensor"):
-        opt.step()
-    assert torch.equal(w.detach().full_tensor(), before)
+    plain, sharded = _pair(mesh, Shard(0))
+    opts = [PrunAdag(ps, lr=0.1, relevant=0.3, version=version, weight_decay=0.01, **path) for ps in (plain, sharded)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in plain]
+        for p, q, gr in zip(plain, sharded, grads):
+            p.grad = gr
+            q.grad = torch.distributed.tensor.distribute_tensor(gr, mesh, q.placements)
+        for opt in opts:
+            opt.step()
+    for p, q in zip(plain, sharded):
+        torch.testing.assert_close(q.detach().full_tensor(), p.detach(), rtol=1e-13, atol=1e-13)
+        assert isinstance(opts[1].state[q]["sum"], torch.distributed.tensor.DTensor)
+
+
+def test_sfw_dtensor_steps_equal_plain_steps(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain, sharded = _pair(mesh, Replicate())
+    opts = [SFW(ps, lr=0.5, rescale="gradient", momentum=0.5, radius=2.0, relevant=0.4) for ps in (plain, sharded)]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for p, q in zip(plain, sharded):
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            q.grad = distribute_tensor(p.grad.clone(), mesh, q.placements)
+        for opt in opts:
+            opt.step()
+    for p, q in zip(plain, sharded):
+        torch.testing.assert_close(q.detach().full_tensor(), p.detach(), rtol=1e-13, atol=1e-13)
+
+
+def _op_args(n=6):
+    x = torch.randn(n, dtype=torch.float64)
+    hyper = torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0]], dtype=torch.float64)
+    return [x], [torch.full_like(x, 0.01)], [torch.full_like(x, 0.01)], [torch.randn(n, dtype=torch.float64)], hyper
+
+
+@pytest.mark.parametrize("selection, match", [
+    (torch.tensor([0.5, 1.0]), "float64 tensor of 2 elements"),
+    (torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64), "float64 tensor of 2 elements"),
+    (torch.tensor([-0.5, 1.0], dtype=torch.float64), r"selection\[0\]"),
+    (torch.tensor([float("nan"), 1.0], dtype=torch.float64), r"selection\[0\]"),
+    (torch.tensor([0.5, float("inf")], dtype=torch.float64), r"selection\[1\]"),
+    (torch.tensor([0.5, -1.0], dtype=torch.float64), r"selection\[1\]"),
+])
+def test_op_selection_is_checked_before_writing(selection, match):
+    xs, so, sd, gs, hyper = _op_args()
+    before = [t.clone() for t in xs + so + sd]
+    with pytest.raises(ValueError, match=match):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyper, 2, 3, None, selection)
+    assert all(torch.equal(a, b) for a, b in zip(xs + so + sd, before))
+
+
+def test_op_selection_float_threshold_must_be_a_float_value():
+    xs, so, sd, gs, hyper = _op_args()
+    xs, so, sd, gs = ([t.float() for t in lst] for lst in (xs, so, sd, gs))
+    with pytest.raises(ValueError, match="value of the params' dtype"):
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyper, 2, 3, None,
+                                         torch.tensor([0.1, 1.0], dtype=torch.float64))

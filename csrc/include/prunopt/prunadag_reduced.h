@@ -28,7 +28,7 @@ inline bool is_reduced_float(at::ScalarType t) {
 template <typename Step>
 void step_in_float32(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums, at::TensorList grads,
     const at::Tensor& hyper, int64_t relevant, int64_t version, const std::optional<at::Tensor>& found_nonfinite,
-    bool host_flag, Step&& step) {
+    const std::optional<at::Tensor>& selection, bool host_flag, Step&& step) {
   const char* op = "prunadag_step_";
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(opt_sums.size() == nt && dec_sums.size() == nt && grads.size() == nt, op,
@@ -58,7 +58,7 @@ void step_in_float32(at::TensorList params, at::TensorList opt_sums, at::TensorL
     return out;
   };
   const auto xs = up(params), sos = up(opt_sums), sds = up(dec_sums), gs = up(grads);
-  step(xs, sos, sds, gs, hyper, relevant, version, found_nonfinite);
+  step(xs, sos, sds, gs, hyper, relevant, version, found_nonfinite, selection);
   if (flagged && found_nonfinite->item<float>() != 0.0f) {
     return;  // skipped: nothing was written
   }

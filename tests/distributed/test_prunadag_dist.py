@@ -1,0 +1,266 @@
+"""PrunAdag and SFW under FSDP2 and DDP (2 gloo ranks on CPU), against one
+process on the full parameters: every path (fused, foreach, single-tensor),
+versions 1-4 and relevant_only, every scope, over 10 steps; non-finite
+gradients on one rank; ``torch.distributed.checkpoint`` save and resume.
+
+Each scenario is a module-level function ``f(rank, ...)``: with ``rank=None``
+(in the test process) it is the one-process run; on the ranks it wraps the
+model. Every rank trains on the same full batch, so the gradients that FSDP2
+and DDP average over the ranks are the one-process gradients exactly
+(float64: the average of two equal values is that value). The thresholds are
+then bit-identical and the parameters agree to the rounding of the ratio's
+norms, which are summed in another order.
+"""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prunopt.optim import SFW, PrunAdag
+
+from _dist import error, ok, run_scenarios
+
+WORLD = 2
+STEPS = 10
+SCENARIOS = []
+PATHS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single": dict(foreach=False)}
+VERSIONS = (1, 2, 3, 4, "relevant_only")
+SCOPES = ("global", "group", "tensor")
+
+
+def _name(prefix, case):
+    return prefix + "_" + "_".join(str(c).replace(".", "p") for c in case)
+
+
+def _scenario(name, fn, *args):
+    def scenario(rank, world_size):
+        assert world_size == WORLD
+        return fn(rank, *args)
+
+    scenario.__name__ = scenario.__qualname__ = name
+    globals()[name] = scenario
+    SCENARIOS.append(scenario)
+    return name
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_scenarios(SCENARIOS, world_size=WORLD, timeout=300)
+
+
+# ------------------------------------------------------------------ model and data
+def _model():
+    """Float64 MLP whose first dimensions shard unevenly over 2 ranks (7 rows:
+    4 + 3; the last layer's single row leaves rank 1 an empty shard)."""
+    g = torch.Generator().manual_seed(7)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.7)
+    return model
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+    return x, torch.sin(x.sum(1, keepdim=True))
+
+
+def _wrap(model, rank, kind):
+    if rank is None:
+        return model
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    return fully_shard(model)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _params(model):
+    return [_full(p.detach()).clone() for p in model.parameters()]
+
+
+def _groups(model):
+    """Two pruned groups (weights of the first two layers; the rest)."""
+    lin = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return [{"params": [lin[0].weight, lin[1].weight]},
+            {"params": [lin[2].weight] + [m.bias for m in lin]}]
+
+
+def _step(model, opt, step):
+    x, y = _batch(step)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _prunadag_run(rank, kind, path, version, scope, steps=STEPS):
+    model = _wrap(_model(), rank, kind)
+    opt = PrunAdag(_groups(model), lr=0.05, relevant=0.2, version=version, scope=scope, weight_decay=1e-3,
+                   initial_accumulator_value=0.01, **PATHS[path])
+    for s in range(steps):
+        _step(model, opt, s)
+    states = [(_full(opt.state[p]["sum"]).clone(), _full(opt.state[p]["decrease_sum"]).clone())
+              for p in model.parameters()]
+    return _params(model), states
+
+
+CASES = [("fsdp",) + c for c in itertools.product(PATHS, VERSIONS, SCOPES)]
+CASES += [("ddp", path, 3, "global") for path in PATHS]
+for _case in CASES:
+    _scenario(_name("prunadag", _case), _prunadag_run, *_case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_prunadag_equals_one_process(results, case):
+    ref_params, ref_states = _prunadag_run(None, *case)
+    for rank_params, rank_states in ok(results[_name("prunadag", case)]):
+        for p, q in zip(rank_params, ref_params):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+        for (so, sd), (so_r, sd_r) in zip(rank_states, ref_states):
+            torch.testing.assert_close(so, so_r, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(sd, sd_r, rtol=1e-12, atol=1e-12)
+
+
+def _per_shard_differs(rank):
+    """The sharded step is not the per-shard algorithm: with a global top-20 %
+    a per-shard selection keeps other elements (checked on the first step)."""
+    from prunopt.distributed import topk_threshold
+    from prunopt.ops import topk_threshold as one_process
+
+    model = _wrap(_model(), rank, "fsdp")
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    n = sum(g.numel() for g in grads)
+    k = -(-n // 5)
+    tau = topk_threshold(grads, k)
+    full = [g.full_tensor() for g in grads]
+    local = [g.to_local() for g in grads if g.to_local().numel()]
+    return (tau.item(), one_process(full, k).item(), one_process(local, -(-sum(t.numel() for t in local) // 5)).item())
+
+
+_scenario("threshold_is_global", _per_shard_differs)
+
+
+def test_sharded_threshold_is_the_global_one_not_the_shards(results):
+    for tau, one, per_shard in ok(results["threshold_is_global"]):
+        assert tau == one
+    assert any(per_shard != one for _, one, per_shard in ok(results["threshold_is_global"]))
+
+
+# ------------------------------------------------------------------ errors
+def _nonfinite_on_one_rank(rank, path):
+    model = _wrap(_model(), rank, "fsdp")
+    opt = PrunAdag(model.parameters(), lr=0.05, relevant=0.2, **PATHS[path])
+    _step(model, opt, 0)
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    state = [opt.state[p]["sum"].to_local().clone() for p in model.parameters()]
+    x, y = _batch(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    if rank == 1:
+        next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+    try:
+        opt.step()
+    finally:
+        unchanged = all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
+        unchanged &= all(torch.equal(opt.state[p]["sum"].to_local(), s) for p, s in zip(model.parameters(), state))
+        steps = {float(opt.state[p]["step"]) for p in model.parameters()}
+        if not unchanged or steps != {1.0}:
+            raise AssertionError(f"the step wrote something: unchanged={unchanged}, steps={steps}")
+
+
+for _path in PATHS:
+    _scenario(f"nonfinite_{_path}", _nonfinite_on_one_rank, _path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nonfinite_gradient_on_one_rank_raises_on_every_rank_and_writes_nothing(results, path):
+    for kind, msg in error(results[f"nonfinite_{path}"]):
+        assert kind == "ValueError" and "non-finite" in msg and "nothing was updated" in msg
+
+
+# ------------------------------------------------------------------ checkpoints
+def _dcp_resume(rank):
+    """Five steps, a torch.distributed.checkpoint save, five more; then a fresh
+    model and optimizer load the checkpoint and take the same five steps."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make():
+        model = _wrap(_model(), rank, "fsdp")
+        return model, PrunAdag(model.parameters(), lr=0.05, relevant=0.2, initial_accumulator_value=0.01)
+
+    box = [tempfile.mkdtemp(prefix="prunopt-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    model, opt = make()
+    for s in range(5):
+        _step(model, opt, s)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    for s in range(5, 10):
+        _step(model, opt, s)
+    straight = _params(model)
+    model2, opt2 = make()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    sd = {"model": msd2, "optim": osd2}
+    dcp.load(sd, checkpoint_id=root)
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    sharded = all(hasattr(opt2.state[p]["sum"], "to_local") for p in model2.parameters())
+    for s in range(5, 10):
+        _step(model2, opt2, s)
+    resumed = _params(model2)
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return straight, resumed, sharded
+
+
+_scenario("dcp_resume", _dcp_resume)
+
+
+def test_dcp_save_and_resume_is_exact_and_state_stays_sharded(results):
+    for straight, resumed, sharded in ok(results["dcp_resume"]):
+        assert sharded
+        for a, b in zip(straight, resumed):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ SFW
+def _sfw_run(rank, kind, rescale, momentum):
+    model = _wrap(_model(), rank, kind)
+    opt = SFW(model.parameters(), lr=0.1, rescale=rescale, momentum=momentum, radius=3.0, relevant=0.2)
+    for s in range(STEPS):
+        _step(model, opt, s)
+    return _params(model)
+
+
+SFW_CASES = [("fsdp", r, m) for r in ("diameter", "gradient", "fw2") for m in (0.0, 0.9)] + [("ddp", "gradient", 0.9)]
+for _case in SFW_CASES:
+    _scenario(_name("sfw", _case), _sfw_run, *_case)
+
+
+@pytest.mark.parametrize("case", SFW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sfw_equals_one_process(results, case):
+    ref = _sfw_run(None, *case)
+    for params in ok(results[_name("sfw", case)]):
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
