@@ -59,6 +59,16 @@ TORCH_LIBRARY(prunopt, m) {
   m.def(
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
       "Tensor hyper, int relevant, int version, Tensor(d!)? found_nonfinite=None, Tensor? selection=None) -> ()");
+  // This process's share of the ratio's squared norms for a given threshold
+  // (float64 [||g||_R^2, ||x||_M^2, 1 if an effective gradient of any tensor is
+  // not finite else 0]; pruned tensors only in the norms), for a scope whose
+  // elements are spread over several processes. `tau` is float64 (1 element)
+  // on the params' device.
+  m.def("prunadag_norms(Tensor[] params, Tensor[] grads, Tensor hyper, Tensor tau) -> Tensor");
+  // One pass over |v| for a bracket [lo, hi] of the k-th largest: how many
+  // |v| > hi (int64, 0-dim) and the |v| with lo <= |v| <= hi in index order
+  // (the candidates; what the sharded threshold selects among).
+  m.def("topk_bracket(Tensor[] values, float lo, float hi) -> (Tensor, Tensor)");
 
   // Differentiable sparsification (Lee) and two-temperature
   // architecture pruning (Colombo & Gao). Kernels: csrc/cpu/{rgf_relu,

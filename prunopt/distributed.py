@@ -50,6 +50,8 @@ from torch import Tensor
 from prunopt.ops.projection import _check_no_overlap
 from prunopt.ops.projection import project_budget as _project_budget_one
 from prunopt.ops.projection import project_budget_ as _project_budget_one_
+from prunopt._extension import extension_available
+from prunopt.ops.prunadag import topk_bracket as _topk_bracket
 from prunopt.ops.prunadag import topk_threshold as _topk_threshold_one
 from prunopt.validation import as_tensor_list, validate_projection_args
 
@@ -498,10 +500,114 @@ def topk_threshold(values: TensorOrList, k: int, group: Group = None) -> Tensor:
         raise ValueError(f"values must be float32, float64, float16 or bfloat16, got {local[0].dtype}")
     if not plan.groups:
         return _topk_threshold_one(local, k)
-    return _radix_select(local, plan, k)
+    return _select(local, plan, k)
 
 
-def _radix_select(local: List[Tensor], plan: _Plan, k: int) -> Tensor:
+def _select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
+    """The bracketed select where the fused one-process op can bracket the
+    threshold (float32/float64 on the CPU), else the radix select."""
+    dt, dev = local[0].dtype, local[0].device
+    if dev.type in _BRACKET_DEVICES and dt in (torch.float32, torch.float64) and extension_available():
+        return _bracket_select(local, plan, k, nonfinite_is_none)
+    return _radix_select(local, plan, k, nonfinite_is_none)
+
+
+# Devices where the bracket is taken (the fused op's order statistics are cheap
+# passes on the CPU; on CUDA the radix passes choose on the device, without the
+# bracket's host reads)
+_BRACKET_DEVICES = frozenset({"cpu"})
+# margin of the local order statistics around each rank's share of k, in
+# standard deviations of a binomial count (and at least _BRACKET_MIN elements)
+_BRACKET_SIGMAS = 4.0
+_BRACKET_MIN = 64
+
+
+def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
+    """The sharded select through a bracket of the threshold that holds it by
+    construction, so that only the elements inside it enter the radix passes.
+
+    1. one ``all_reduce``: the global ``n`` (and the agreement on ``k`` and the
+       dtype), so each rank knows its share ``f n_r`` of ``k`` (``f = k / n``);
+    2. each rank takes two exact local order statistics with the fused op,
+       ``hi_r`` at rank ``k_hi = floor(f n_r - m)`` (fewer than ``k_hi``
+       elements lie above it) and ``lo_r`` at ``k_lo = ceil(f n_r + m)`` (at
+       least ``k_lo`` lie at or above it); one ``all_reduce`` (max) of
+       ``hi = max hi_r``, ``lo = min lo_r`` and a non-finite flag. Then fewer
+       than ``sum k_hi <= k`` elements exceed ``hi`` and at least
+       ``sum k_lo >= k`` reach ``lo``: the ``k``-th largest lies in ``[lo, hi]``
+       whatever the data;
+    3. one ``all_reduce``: how many exceed ``hi`` and how many lie in
+       ``[lo, hi]`` (the candidates, kept locally);
+    4. the radix select of the ``(k - above)``-th largest among the candidates
+       (its 3-6 passes on a few elements per rank).
+    The bracket only saves work; its width depends on how alike the ranks'
+    data are (all of a rank's elements become candidates at worst)."""
+    dtype, device = local[0].dtype, local[0].device
+    spec = _RADIX[dtype]
+    keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
+    n_r = sum(v.numel() for v in keys)
+    k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
+    # laid out as the radix select's first vector (a zero histogram, then the
+    # same agreement fields), so that ranks of different dtypes, which take
+    # different paths, still meet in one collective of one size and all raise
+    vec = torch.zeros((1 << _HIST0_BITS) + _META, dtype=torch.int64)
+    vec[1 << _HIST0_BITS:] = torch.tensor([n_r] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2])
+    meta = _all_reduce(vec, plan.groups)[1 << _HIST0_BITS:].tolist()
+    if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
+        raise ValueError("values must have one dtype on every rank")
+    if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
+        raise ValueError(f"k must be the same on every rank, got {k} on this one")
+    n = int(meta[0])
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}], got {k}")
+    # 2) the local order statistics around this rank's share of k
+    share = k * n_r / n
+    margin = max(_BRACKET_MIN, _BRACKET_SIGMAS * math.sqrt(share))
+    k_hi = max(0, min(n_r, math.floor(share - margin)))
+    k_lo = max(0, min(n_r, math.ceil(share + margin)))
+    bad = 0.0
+    hi_r, lo_r = -1.0, math.inf  # an empty rank bounds nothing
+    if n_r:
+        try:
+            hi_r = float(_topk_threshold_one(keys, max(k_hi, 1)))  # k_hi = 0: the largest (nothing above it)
+            lo_r = float(_topk_threshold_one(keys, max(k_lo, 1)))
+        except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
+            bad = 1.0
+    ext = torch.tensor([bad, hi_r, -lo_r], dtype=torch.float64)
+    for g in plan.groups:
+        dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=g)
+    bad, hi, lo = float(ext[0]), float(ext[1]), -float(ext[2])
+    if bad:
+        if nonfinite_is_none:
+            return None
+        raise ValueError("values contain a non-finite value (on at least one rank)")
+    # 3) above the bracket, and the candidates inside it (chunk by chunk: small temporaries)
+    if keys:
+        above, inside = _topk_bracket(keys, lo, hi)  # one fused pass
+        cands = [inside]
+    else:
+        above, cands = torch.zeros((), dtype=torch.int64), [torch.empty(0, dtype=dtype, device=device)]
+    counts = _all_reduce(above.reshape(1).to(torch.int64), plan.groups)
+    k_in = k - int(counts[0])
+    # 4) the radix select among the candidates (the same collectives on every rank)
+    inner = _Plan(cands, [True] * len(cands), plan.groups, plan.world)
+    return _radix_select(cands, inner, k_in)
+
+
+def _topk_threshold_or_none(values: List[Tensor], k: int, group: Group = None) -> Optional[Tensor]:
+    """:func:`topk_threshold` over plain local tensors, but ``None`` on every
+    rank (instead of a ``ValueError``) when a value on some rank is not finite:
+    for callers that report non-finite inputs in their own way (PrunAdag skips
+    or raises its step)."""
+    plan = _plan(values, group, "values")
+    if not plan.groups:
+        if not all(bool(torch.isfinite(v).all()) for v in plan.locals):
+            return None
+        return _topk_threshold_one(plan.locals, k)
+    return _select(plan.locals, plan, k, nonfinite_is_none=True)
+
+
+def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
     """The sharded radix select of :func:`topk_threshold` on checked local
     tensors (with ``plan.groups`` empty it runs in one process: the tests use
     that to compare it with the one-process op on many inputs)."""
@@ -531,6 +637,8 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int) -> Tensor:
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
     if sum(tail[:(1 << w0) - spec.nonfinite_digit]):
+        if nonfinite_is_none:
+            return None
         raise ValueError("values contain a non-finite value (on at least one rank)")
     keep = (1 << spec.nbits) - 1
 

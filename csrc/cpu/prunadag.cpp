@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1412,6 +1413,160 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   copy_back(sds, dec_sums);
 }
 
+std::tuple<at::Tensor, at::Tensor> topk_bracket_cpu(at::TensorList values, double lo, double hi) {
+  const char* op = "topk_bracket";
+  TORCH_CHECK_VALUE(!values.empty(), op, ": values must not be empty");
+  const auto& v0 = values[0];
+  TORCH_CHECK_VALUE(v0.scalar_type() == at::kFloat || v0.scalar_type() == at::kDouble, op,
+      ": values must be float32 or float64, got ", v0.scalar_type());
+  check_list(values, v0, values.size(), op, "values");
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  std::vector<at::Tensor> keep;
+  std::vector<Seg> segs;
+  int64_t total = 0;
+  for (const auto& v : values) {
+    if (v.numel() == 0) {
+      continue;
+    }
+    keep.push_back(v.contiguous());
+    Seg sg{};
+    sg.g = keep.back().data_ptr();
+    sg.n = v.numel();
+    sg.offset = total;
+    sg.prune = true;
+    segs.push_back(sg);
+    total += sg.n;
+  }
+  at::Tensor above = at::zeros({}, v0.options().dtype(at::kLong));
+  at::Tensor cands;
+  AT_DISPATCH_FLOATING_TYPES(v0.scalar_type(), "topk_bracket", [&] {
+    const scalar_t lo_t = static_cast<scalar_t>(lo), hi_t = static_cast<scalar_t>(hi);
+    TORCH_CHECK_VALUE(static_cast<double>(lo_t) == lo && static_cast<double>(hi_t) == hi, op,
+        ": lo and hi must be values of the values' dtype, got lo=", lo, ", hi=", hi);
+    constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
+    const int64_t nchunks = total > 0 ? num_chunks(total) : 0;
+    std::vector<ScanOut<scalar_t>> outs(nchunks);
+    if (total > 0) {
+      for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
+        ScanOut<scalar_t>& out = outs[ch];
+        scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
+        for_each_piece(segs, begin, end, [&](const Seg& sg, int64_t b, int64_t e) {
+          scan_range<scalar_t, false, false>(sg, b, e, lo_t, hi_t, out, cg, nullptr);
+        });
+        if (out.ncand > 0 && !out.bad) {
+          out.cg.assign(cg, cg + out.ncand);
+        }
+      });
+    }
+    int64_t n_above = 0, ncand = 0;
+    bool bad = false;
+    for (const auto& o : outs) {
+      n_above += o.above;
+      ncand += o.ncand;
+      bad |= o.bad;
+    }
+    TORCH_CHECK_VALUE(!bad, op, ": values contain a non-finite value");
+    above.fill_(n_above);
+    cands = at::empty({ncand}, v0.options());
+    scalar_t* dst = cands.data_ptr<scalar_t>();
+    for (const auto& o : outs) {  // in index order: deterministic
+      for (const scalar_t c : o.cg) {
+        *dst++ = c < scalar_t(0) ? -c : c;
+      }
+    }
+  });
+  return {above, cands};
+}
+
+at::Tensor prunadag_norms_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& hyper,
+    const at::Tensor& tau) {
+  const char* op = "prunadag_norms";
+  const size_t nt = params.size();
+  TORCH_CHECK_VALUE(grads.size() == nt, op, ": grads must have ", nt, " tensors, got ", grads.size());
+  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
+      hyper.size(1) == kHyperCols, op, ": hyper must be a float64 tensor of shape (", nt, ", ", kHyperCols,
+      "), got ", hyper.scalar_type(), " ", hyper.sizes());
+  TORCH_CHECK_VALUE(tau.scalar_type() == at::kDouble && tau.numel() == 1 && tau.device().is_cpu(), op,
+      ": tau must be a one-element float64 tensor on the CPU, got ", tau.scalar_type(), " ", tau.sizes(), " on ",
+      tau.device());
+  const double tau_d = tau.item<double>();
+  TORCH_CHECK_VALUE(std::isfinite(tau_d) && tau_d >= 0.0, op, ": tau must be finite and >= 0, got ", tau_d);
+  auto out = at::zeros({3}, hyper.options().device(at::kCPU));
+  if (nt == 0) {
+    return out;
+  }
+  const auto& p0 = params[0];
+  if (is_reduced_float(p0.scalar_type())) {
+    // float16 / bfloat16: the values the fused step computes with (float32)
+    check_list(params, p0, nt, op, "params");
+    check_list(grads, p0, nt, op, "grads");
+    std::vector<at::Tensor> xs, gs;
+    for (size_t i = 0; i < nt; ++i) {
+      TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
+          i, "] ", params[i].sizes());
+      xs.push_back(params[i].to(at::kFloat));
+      gs.push_back(grads[i].to(at::kFloat));
+    }
+    return prunadag_norms_cpu(xs, gs, hyper, tau);
+  }
+  TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
+      ": params must be float16, bfloat16, float32 or float64, got ", p0.scalar_type());
+  check_list(params, p0, nt, op, "params");
+  check_list(grads, p0, nt, op, "grads");
+  for (size_t i = 0; i < nt; ++i) {
+    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
+        i, "] ", params[i].sizes());
+  }
+  const at::Tensor h = hyper.contiguous();
+  const double* hp = h.data_ptr<double>();
+  const auto xs = contiguous_all(params), gs = contiguous_all(grads);
+  std::vector<Seg> segs;
+  int64_t total = 0, n_pruned = 0;
+  bool any_wd = false;
+  for (size_t i = 0; i < nt; ++i) {
+    if (params[i].numel() == 0) {
+      continue;
+    }
+    Seg sg{};
+    sg.x = const_cast<void*>(xs[i].data_ptr());
+    sg.g = gs[i].data_ptr();
+    sg.n = params[i].numel();
+    sg.offset = total;
+    for (int c = 0; c < kHyperCols; ++c) {
+      sg.h[c] = hp[i * kHyperCols + c];
+    }
+    sg.prune = sg.h[kPrune] != 0.0;
+    any_wd |= sg.h[kWeightDecay] != 0.0;
+    n_pruned += sg.prune ? sg.n : 0;
+    segs.push_back(sg);
+    total += sg.n;
+  }
+  if (total == 0) {
+    return out;
+  }
+  double* o = out.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_norms", [&] {
+    const scalar_t t = static_cast<scalar_t>(tau_d);
+    TORCH_CHECK_VALUE(static_cast<double>(t) == tau_d, op, ": tau must be a value of the params' dtype, got ", tau_d);
+    try {
+      scalar_t unused;
+      if (any_wd) {
+        sampled_select<scalar_t, true, false>(segs, total, n_pruned, 0, op, "grads", unused);
+      } else {
+        sampled_select<scalar_t, false, false>(segs, total, n_pruned, 0, op, "grads", unused);
+      }
+    } catch (const c10::ValueError&) {
+      o[2] = 1.0;  // a non-finite effective gradient: reported, not raised (the caller agrees on it first)
+      return;
+    }
+    const Selected sel = exact_norms<scalar_t>(segs, total, t);
+    o[0] = sel.g_r2;
+    o[1] = sel.x_m2;
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace prunopt
@@ -1419,4 +1574,6 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
 TORCH_LIBRARY_IMPL(prunopt, CPU, m) {
   m.impl("topk_threshold", &prunopt::cpu::topk_threshold_cpu);
   m.impl("prunadag_step_", &prunopt::cpu::prunadag_step_cpu);
+  m.impl("prunadag_norms", &prunopt::cpu::prunadag_norms_cpu);
+  m.impl("topk_bracket", &prunopt::cpu::topk_bracket_cpu);
 }

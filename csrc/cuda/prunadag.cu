@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <tuple>
 #include <vector>
 
 #include "prunopt/prunadag.h"
@@ -303,7 +304,7 @@ __device__ scalar_t tau_of(const State* st) {
 // adds the partials in a fixed order (deterministic) and sets r.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) norms_kernel(Meta m, const double* hyper, State* st, double* partials,
-    unsigned int total_blocks) {
+    unsigned int total_blocks, double* raw = nullptr) {
   __shared__ double sg[kThreads];
   __shared__ double sx[kThreads];
   const int t = m.tensor_of[blockIdx.x];
@@ -373,6 +374,11 @@ __global__ void __launch_bounds__(kThreads) norms_kernel(Meta m, const double* h
   if (threadIdx.x == 0) {
     st->r = ratio(sg[0], sx[0]);
     st->done = 0;
+    if (raw != nullptr) {  // prunadag_norms: the sums themselves and the non-finite flag
+      raw[0] = sg[0];
+      raw[1] = sx[0];
+      raw[2] = st->bad ? 1.0 : 0.0;
+    }
   }
 }
 
@@ -617,6 +623,111 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   copy_back(sds, dec_sums);
 }
 
+// The bracket scan on CUDA, composed of ATen ops: the candidates' count is
+// data-dependent, so the output size is read on the host anyway (the sharded
+// threshold takes the radix passes on CUDA, which need no bracket).
+std::tuple<at::Tensor, at::Tensor> topk_bracket_cuda(at::TensorList values, double lo, double hi) {
+  const char* op = "topk_bracket";
+  TORCH_CHECK_VALUE(!values.empty(), op, ": values must not be empty");
+  const auto& v0 = values[0];
+  TORCH_CHECK_VALUE(v0.scalar_type() == at::kFloat || v0.scalar_type() == at::kDouble, op,
+      ": values must be float32 or float64, got ", v0.scalar_type());
+  for (size_t i = 0; i < values.size(); ++i) {
+    TORCH_CHECK_VALUE(values[i].scalar_type() == v0.scalar_type() && values[i].device() == v0.device() &&
+        values[i].layout() == at::kStrided, op, ": values[", i, "] must be a dense tensor of the dtype and device "
+        "of values[0]");
+  }
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  c10::cuda::CUDAGuard guard(v0.device());
+  std::vector<at::Tensor> flat;
+  for (const auto& v : values) {
+    flat.push_back(v.reshape({-1}));
+  }
+  const at::Tensor a = at::cat(flat).abs();
+  AT_DISPATCH_FLOATING_TYPES(v0.scalar_type(), "topk_bracket", [&] {
+    TORCH_CHECK_VALUE(static_cast<double>(static_cast<scalar_t>(lo)) == lo &&
+        static_cast<double>(static_cast<scalar_t>(hi)) == hi, op,
+        ": lo and hi must be values of the values' dtype, got lo=", lo, ", hi=", hi);
+  });
+  TORCH_CHECK_VALUE(at::isfinite(a).all().item<bool>(), op, ": values contain a non-finite value");
+  at::Tensor above = a.gt(hi).sum().to(at::kLong);
+  at::Tensor cands = a.masked_select(a.ge(lo).logical_and_(a.le(hi)));
+  return {above, cands};
+}
+
+at::Tensor prunadag_norms_cuda(at::TensorList params, at::TensorList grads, const at::Tensor& hyper,
+    const at::Tensor& tau) {
+  const char* op = "prunadag_norms";
+  const size_t nt = params.size();
+  TORCH_CHECK_VALUE(grads.size() == nt, op, ": grads must have ", nt, " tensors, got ", grads.size());
+  TORCH_CHECK_VALUE(nt > 0, op, ": params must not be empty on CUDA (the device is unknown)");
+  const auto& p0 = params[0];
+  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
+      hyper.size(1) == kHyperCols && hyper.device() == p0.device(), op, ": hyper must be a float64 tensor of shape (",
+      nt, ", ", kHyperCols, ") on ", p0.device());
+  TORCH_CHECK_VALUE(tau.scalar_type() == at::kDouble && tau.numel() == 1 && tau.device() == p0.device(), op,
+      ": tau must be a one-element float64 tensor on ", p0.device());
+  if (is_reduced_float(p0.scalar_type())) {
+    std::vector<at::Tensor> xs, gs;
+    for (size_t i = 0; i < nt; ++i) {
+      TORCH_CHECK_VALUE(params[i].scalar_type() == p0.scalar_type() && grads[i].scalar_type() == p0.scalar_type() &&
+          params[i].device() == p0.device() && grads[i].device() == p0.device() &&
+          grads[i].sizes() == params[i].sizes(), op, ": params[", i, "] and grads[", i,
+          "] must have the dtype and device of params[0] and one shape");
+      xs.push_back(params[i].to(at::kFloat));
+      gs.push_back(grads[i].to(at::kFloat));
+    }
+    return prunadag_norms_cuda(xs, gs, hyper, tau);
+  }
+  TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
+      ": params must be float16, bfloat16, float32 or float64, got ", p0.scalar_type());
+  for (size_t i = 0; i < nt; ++i) {
+    TORCH_CHECK_VALUE(params[i].scalar_type() == p0.scalar_type() && grads[i].scalar_type() == p0.scalar_type() &&
+        params[i].device() == p0.device() && grads[i].device() == p0.device() &&
+        grads[i].sizes() == params[i].sizes(), op, ": params[", i, "] and grads[", i,
+        "] must have the dtype and device of params[0] and one shape");
+  }
+  c10::cuda::CUDAGuard guard(p0.device());
+  auto out = at::zeros({3}, hyper.options());
+  const at::Tensor h = hyper.contiguous();
+  const auto xs = contiguous_all(params), gs = contiguous_all(grads);
+  std::vector<Host> hs;
+  for (size_t i = 0; i < nt; ++i) {
+    if (params[i].numel() == 0) {
+      continue;
+    }
+    hs.push_back(Host{const_cast<void*>(xs[i].data_ptr()), nullptr, nullptr, gs[i].data_ptr(), params[i].numel(),
+        static_cast<int>(i)});
+  }
+  if (hs.empty()) {
+    return out;
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto batches = make_batches(hs);
+  const unsigned int nblocks = count_blocks(batches);
+  at::Tensor buf = make_buffer(p0, nblocks);
+  State* st = reinterpret_cast<State*>(buf.data_ptr());
+  char* base = static_cast<char*>(buf.data_ptr());
+  auto* ghist = reinterpret_cast<unsigned long long*>(base + kHistOffset);
+  auto* partials = reinterpret_cast<double*>(base + kPartialsOffset);
+  at::Tensor sel = at::cat({tau.reshape({1}), at::zeros({1}, tau.options())});  // [tau, r unused]
+  init_state<<<1, kThreads, 0, stream>>>(st, ghist, 0, 0);  // k = 0: the passes only flag non-finite values
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const double* hyp = h.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_norms", [&] {
+    select<scalar_t>(batches, hyp, true, st, ghist, nullptr, stream);
+    given_selection_kernel<scalar_t><<<1, 1, 0, stream>>>(st, sel.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for (const Meta& m : batches) {
+      norms_kernel<scalar_t><<<m.nchunks, kThreads, 0, stream>>>(m, hyp, st, partials, nblocks,
+                                                                  out.data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace prunopt
@@ -624,4 +735,6 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
 TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
   m.impl("topk_threshold", &prunopt::cuda::topk_threshold_cuda);
   m.impl("prunadag_step_", &prunopt::cuda::prunadag_step_cuda);
+  m.impl("prunadag_norms", &prunopt::cuda::prunadag_norms_cuda);
+  m.impl("topk_bracket", &prunopt::cuda::topk_bracket_cuda);
 }

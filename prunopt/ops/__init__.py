@@ -3,8 +3,9 @@
 :mod:`prunopt.bench`):
 
 * :mod:`prunopt.ops.projection`: ``project_budget``, ``project_budget_``;
-* :mod:`prunopt.ops.prunadag`: ``topk_threshold`` (and the fused step that
-  :class:`prunopt.optim.PrunAdag` calls);
+* :mod:`prunopt.ops.prunadag`: ``topk_threshold``, ``topk_bracket``,
+  ``prunadag_norms`` (and the fused step that :class:`prunopt.optim.PrunAdag`
+  calls);
 * :mod:`prunopt.ops.interspace`: ``fb_reconstruct``, ``fb_conv2d``,
   ``fb_compress``, ``fb_conv2d_compressed``;
 * :mod:`prunopt.ops.gates`: ``rgf_relu``, ``sparse_gate``,
@@ -21,10 +22,10 @@ from prunopt.ops.gates import rgf_relu, sparse_gate, two_temperature_sigmoid
 from prunopt.ops.interspace import (FBCompressed, fb_compress, fb_conv2d, fb_conv2d_compressed, fb_reconstruct,
                                     fb_reconstruct_backward)
 from prunopt.ops.projection import project_budget, project_budget_
-from prunopt.ops.prunadag import PRUNADAG_DEVICES, topk_threshold
+from prunopt.ops.prunadag import PRUNADAG_DEVICES, prunadag_norms, topk_bracket, topk_threshold
 
 __all__ = [
-    "project_budget", "project_budget_", "topk_threshold", "PRUNADAG_DEVICES",
+    "project_budget", "project_budget_", "topk_threshold", "topk_bracket", "prunadag_norms", "PRUNADAG_DEVICES",
     "fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed",
     "rgf_relu", "sparse_gate", "two_temperature_sigmoid", "TensorOrList",
 ]

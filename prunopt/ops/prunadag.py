@@ -14,6 +14,8 @@ Kernels: ``csrc/cpu/prunadag.cpp``, ``csrc/cuda/prunadag.cu``; reference:
 :mod:`prunopt.reference.prunadag`."""
 from __future__ import annotations
 
+from typing import List
+
 import torch
 from torch import Tensor
 
@@ -21,7 +23,7 @@ from prunopt._extension import extension_available
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.prunadag import topk_threshold_reference as _topk_threshold_reference
 
-__all__ = ["topk_threshold", "PRUNADAG_DEVICES"]
+__all__ = ["topk_threshold", "topk_bracket", "prunadag_norms", "PRUNADAG_DEVICES"]
 
 PRUNADAG_DEVICES = _kernel_devices("prunadag_step_")
 _THRESHOLD_DEVICES = _kernel_devices("topk_threshold")
@@ -71,7 +73,99 @@ def topk_threshold(values: TensorOrList, k: int) -> Tensor:
     return _topk_threshold_reference(vals, k)
 
 
+def topk_bracket(values: TensorOrList, lo: float, hi: float):
+    r"""One pass over :math:`|v|` for a bracket ``[lo, hi]`` of a top-k
+    threshold: ``(above, candidates)``, the number of :math:`|v| > hi` (an
+    int64 0-dim tensor) and the :math:`|v|` with ``lo <= |v| <= hi`` in index
+    order. The ``k``-th largest then is the ``(k - above)``-th largest
+    candidate whenever ``above < k <= above + len(candidates)``: the sharded
+    threshold of :func:`prunopt.distributed.topk_threshold` selects among the
+    candidates of every rank instead of all elements.
+
+    Args:
+        values: a tensor or a list of tensors, float32 or float64, one device.
+        lo, hi: ``0 <= lo <= hi`` (``hi`` may be ``inf``), values of that dtype.
+
+    Raises:
+        TypeError: not tensors, bounds not real numbers.
+        ValueError: bad bounds, mixed dtypes or devices, non-finite values.
+    """
+    from prunopt.reference.prunadag import topk_bracket_reference
+
+    if isinstance(values, Tensor):
+        vals = [values]
+    elif isinstance(values, (list, tuple)) and values and all(isinstance(v, Tensor) for v in values):
+        vals = list(values)
+    else:
+        raise TypeError("values must be a Tensor or a non-empty list/tuple of Tensors")
+    for name, b in (("lo", lo), ("hi", hi)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"{name} must be a real number, got {type(b).__name__}")
+    if not (0.0 <= lo <= hi):
+        raise ValueError(f"the bracket must satisfy 0 <= lo <= hi, got lo={lo}, hi={hi}")
+    for i, v in enumerate(vals):
+        if v.dtype not in (torch.float32, torch.float64) or v.dtype != vals[0].dtype or v.device != vals[0].device:
+            raise ValueError(f"values[{i}] must be float32 or float64, of the dtype and device of values[0]")
+    if vals[0].device.type in _BRACKET_DEVICES:
+        return torch.ops.prunopt.topk_bracket(vals, float(lo), float(hi))
+    return topk_bracket_reference(vals, lo, hi)
+
+
+_BRACKET_DEVICES = _kernel_devices("topk_bracket")
+
+
+def prunadag_norms(params: List[Tensor], grads: List[Tensor], hyper: Tensor, tau: Tensor) -> Tensor:
+    r"""This process's share of the squared norms of prunAdag's ratio
+    (Table 1) for a given threshold: float64 ``[||g||_R^2, ||x||_M^2, bad]``
+    with :math:`R = \{|g| \ge \tau\}`, :math:`M = \{i \notin R : x_i g_i > 0\}`
+    over the pruned tensors (effective gradients), and ``bad = 1`` if an
+    effective gradient of any tensor is not finite (reported, not raised, so
+    that several processes can agree on it first). Summed over the processes
+    that share a scope, ``r = sqrt(g_r2) / sqrt(x_m2)``.
+
+    Args:
+        params, grads: lists of one dtype and device, grads shaped like params.
+        hyper: float64 ``(len(params), 6)``, the rows of ``prunadag_step_``
+            (weight decay, maximize and the prune flag are used).
+        tau: a one-element float64 tensor on the params' device, a value of
+            their dtype, finite and >= 0 (0: every element relevant).
+
+    Returns:
+        A float64 tensor of 3 elements on the params' device (CPU for an empty list).
+    """
+    from prunopt.reference.prunadag import TensorHyper, prunadag_norms_reference
+
+    if not isinstance(tau, Tensor) or tau.dtype != torch.float64 or tau.numel() != 1:
+        raise TypeError("tau must be a one-element float64 tensor")
+    if params and params[0].device.type in _NORMS_DEVICES:
+        return torch.ops.prunopt.prunadag_norms(params, grads, hyper, tau)
+    rows = hyper.detach().cpu().tolist()
+    hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5])) for r in rows]
+    out = prunadag_norms_reference(params, grads, hypers, tau)
+    return out.to(params[0].device) if params else out
+
+
+_NORMS_DEVICES = _kernel_devices("prunadag_norms")
+
+
 if extension_available():
+
+    @torch.library.register_fake("prunopt::topk_bracket")
+    def _topk_bracket_fake(values, lo, hi):
+        if not values:
+            raise ValueError("topk_bracket: values must not be empty")
+        if not (0.0 <= lo <= hi):
+            raise ValueError(f"topk_bracket: the bracket must satisfy 0 <= lo <= hi, got lo={lo}, hi={hi}")
+        n = torch.library.get_ctx().new_dynamic_size()
+        return values[0].new_empty((), dtype=torch.int64), values[0].new_empty(n)
+
+    @torch.library.register_fake("prunopt::prunadag_norms")
+    def _prunadag_norms_fake(params, grads, hyper, tau):
+        if len(grads) != len(params):
+            raise ValueError(f"prunadag_norms: grads must have {len(params)} tensors, got {len(grads)}")
+        if tau.dtype != torch.float64 or tau.numel() != 1:
+            raise ValueError("prunadag_norms: tau must be a one-element float64 tensor")
+        return hyper.new_empty(3)
 
     @torch.library.register_fake("prunopt::topk_threshold")
     def _topk_threshold_fake(values, k):

@@ -76,15 +76,16 @@ class ShardedView:
         contributions (numbers or one-element tensors): one ``all_reduce``."""
         return pd.all_reduce_sum(values, group=self.group, device=self.device)
 
-    def threshold(self, values: List[Tensor], counted: List[bool], k: int) -> Tensor:
+    def threshold(self, values: List[Tensor], counted: List[bool], k: int) -> Optional[Tensor]:
         """The ``k``-th largest ``|v|`` over the counted local ``values`` of every
         rank (bit-identical to the one-process threshold on the logical
-        tensors). ``values`` are local tensors of one dtype; the uncounted ones
-        (replicas held by another rank too) take no part."""
+        tensors), or ``None`` on every rank when a counted value on some rank
+        is not finite. ``values`` are local tensors of one dtype; the
+        uncounted ones (replicas held by another rank too) take no part."""
         part = [v if c else v.reshape(-1)[:0] for v, c in zip(values, counted)]
         if not part:
             part = [torch.empty(0, device=self.device)]
-        return pd.topk_threshold(part, k, group=self.group)
+        return pd._topk_threshold_or_none(part, k, group=self.group)
 
 
 def sharded_view(tensors: Sequence[Tensor]) -> Optional[ShardedView]:

@@ -463,70 +463,69 @@ def _selection_keys(loc: _Scope, counted: List[bool]):
     return keys, flags
 
 
-def _local_norms(loc: _Scope, counted: List[bool], tau: Optional[Tensor]):
-    """This rank's share of ``||g||_R^2`` and ``||x||_M^2`` (Table 1), as 0-dim
-    float64 tensors (no host read)."""
-    g_r = torch.zeros((), dtype=torch.float64, device=loc.params[0].device if loc.params else None)
-    x_m = g_r.clone()
-    for p, g, h, c in zip(loc.params, loc.grads, loc.hypers, counted):
-        if not (h.prune and c) or p.numel() == 0:
-            continue
-        ge = effective_grad(p, g, h)
-        ag = ge.abs()
-        rel = torch.ones_like(ag, dtype=torch.bool) if tau is None else (
-            ag >= tau if tau.dtype == ag.dtype else ag.to(tau.dtype) >= tau)
-        m = (~rel) & (p * ge > 0)
-        g_r = g_r + torch.where(rel, ge, 0).double().square().sum()
-        x_m = x_m + torch.where(m, p, 0).double().square().sum()
-    return g_r, x_m
+def _local_norms(loc: _Scope, counted: List[bool], tau: Optional[Tensor]) -> Tensor:
+    """This rank's share of ``||g||_R^2`` and ``||x||_M^2`` (Table 1) and
+    whether an effective gradient here is not finite: float64 ``[g, x, bad]``
+    on the params' device (the ``prunadag_norms`` op: one pass, no host read;
+    the reference when the scope mixes dtypes or devices). Tensors counted on
+    another rank (replicas) take no part in the norms."""
+    from prunopt.ops.prunadag import prunadag_norms
+    from prunopt.reference.prunadag import prunadag_norms_reference
+
+    dev = loc.params[0].device
+    t = torch.zeros((), dtype=torch.float64, device=dev) if tau is None else tau.to(dev, torch.float64)
+    if len({p.dtype for p in loc.params}) == 1 and len({p.device for p in loc.params}) == 1:
+        hyper = _hyper_tensor(loc)
+        if not all(counted):
+            hyper[:, 5] *= torch.tensor([float(c) for c in counted], dtype=torch.float64, device=hyper.device)
+        return prunadag_norms(loc.params, loc.grads, hyper, t.reshape(1))
+    hypers = [TensorHyper(**{**h.__dict__, "prune": h.prune and c}) for h, c in zip(loc.hypers, counted)]
+    return prunadag_norms_reference(loc.params, loc.grads, hypers, t).to(dev)
 
 
 def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: Optional[Tensor] = None) -> None:
     """One step over scopes whose parameters are sharded (FSDP2 DTensors): the
     threshold ``tau`` of each scope is selected over its logical tensors on
     every rank (exact, :func:`prunopt.distributed.topk_threshold`), the norms
-    of the ratio ``r`` are summed over the ranks (one ``all_reduce`` for all
-    scopes), and each rank runs the element pass of the chosen path on its
-    local shards with that ``tau`` and ``r``: the step of one process on the
-    whole parameters, to the rounding of the norms' sums.
+    of the ratio ``r`` and a non-finite flag are summed over the ranks (one
+    ``all_reduce`` for all scopes), and each rank runs the element pass of the
+    chosen path on its local shards with that ``tau`` and ``r``: the step of
+    one process on the whole parameters, to the rounding of the norms' sums.
 
     Non-finite gradients on any rank: every rank raises ``ValueError`` (or,
     with ``found_nonfinite``, sets it to 1) before anything is written."""
     locs = [_local_scope(s, view) for s in scopes]
     counted = [[view.counts(p) for p in s.params] for s in scopes]
-    # 1) finiteness over every rank, agreed before anything is written
-    bad = [(~torch.isfinite(effective_grad(p, g, h))).sum() for loc in locs
-           for p, g, h in zip(loc.params, loc.grads, loc.hypers)]
-    total_bad = view.sum([torch.stack(bad).sum() if bad else 0])
-    if bool(total_bad.item() != 0):
+
+    def nonfinite() -> None:
         if found_nonfinite is not None:
             found_nonfinite.fill_(1.0)
             return
         raise ValueError("PrunAdag: grads contain a non-finite value (on at least one rank); the step was skipped "
                          "(nothing was updated)")
-    # 2) the threshold of each scope over its logical tensors (T of the global n)
+
+    # 1) the threshold of each scope over its logical tensors (T of the global n);
+    #    a non-finite key on any rank is known to every rank here
     taus, targets = [], []
     for s, loc, cnt in zip(scopes, locs, counted):
-        n = s.n()
-        T = s.target()
+        n, T = s.n(), s.target()
         targets.append(T)
+        tau = None  # T >= n: every element is relevant
         if n > 0 and T < n:
             keys, flags = _selection_keys(loc, cnt)
-            taus.append(view.threshold(keys, flags, T))
-        else:
-            taus.append(None)  # T >= n: every element is relevant
-    # 3) the ratio's norms, summed over the ranks in one all_reduce
-    needs = [i for i, s in enumerate(scopes) if s.version not in (2, 4) and s.n() > 0]
-    ratios = [torch.zeros((), dtype=torch.float64, device=view.device) for _ in scopes]
-    if needs:
-        parts = []
-        for i in needs:
-            parts.extend(_local_norms(locs[i], counted[i], taus[i]))
-        sums = view.sum(parts)
-        for j, i in enumerate(needs):
-            g_r, x_m = sums[2 * j], sums[2 * j + 1]
-            ratios[i] = torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
-    # 4) the element pass on the local shards
+            tau = view.threshold(keys, flags, T)
+            if tau is None:
+                return nonfinite()
+        taus.append(tau)
+    # 2) the ratio's norms and the finiteness of every tensor, summed over the ranks in one all_reduce
+    parts = [_local_norms(loc, cnt, tau) if loc.params else torch.zeros(3, dtype=torch.float64, device=view.device)
+             for loc, cnt, tau in zip(locs, counted, taus)]
+    sums = view.sum([v for part in parts for v in part.unbind()]).view(-1, 3)
+    if bool(sums[:, 2].sum().item() != 0):
+        return nonfinite()
+    ratios = [torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
+              for g_r, x_m in zip(sums[:, 0], sums[:, 1])]
+    # 3) the element pass on the local shards
     for loc, T, tau, r in zip(locs, targets, taus, ratios):
         if impl == "fused":
             _fused_scope(loc, T, found_nonfinite, (tau, r))

@@ -233,7 +233,7 @@ class SFW(torch.optim.Optimizer):
             mu = group["momentum"]
             if mu > 0:
                 buf = self.state[p].get("momentum_buffer")
-                d = d.clone() if buf is None else torch.add(buf * mu, d, alpha=1 - mu)
+                d = d.clone() if buf is None else torch.add(buf.to(d.dtype) * mu, d, alpha=1 - mu)
             dirs.append(d)
         # --- eq. 1.2: LMO on the T-support-norm ball (mixed dtypes: the
         # threshold in float64, which holds every float16/bfloat16/float32 value exactly)
@@ -244,6 +244,8 @@ class SFW(torch.optim.Optimizer):
             if len({d.dtype for d in sel}) > 1:
                 sel = [d.double() for d in sel]
             tau = view.threshold(sel, counted, T)
+            if tau is None:  # a rank's gradient turned non-finite after the check: nothing written yet
+                raise ValueError("SFW: grads contain a non-finite value; the step was skipped (nothing was updated)")
         else:
             sel = [d for d in dirs if d.numel() > 0]
             if len({d.dtype for d in sel}) > 1:

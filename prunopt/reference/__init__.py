@@ -26,17 +26,21 @@ __all__ += [
 # --- prunAdag (Porcelli et al.) ---
 from prunopt.reference.prunadag import (  # noqa: E402
     TensorHyper,
+    prunadag_norms_reference,
     prunadag_step_reference,
     resolve_relevant,
     support_norm_lmo_reference,
+    topk_bracket_reference,
     topk_threshold_reference,
 )
 
 __all__ += [
     "TensorHyper",
+    "prunadag_norms_reference",
     "prunadag_step_reference",
     "resolve_relevant",
     "support_norm_lmo_reference",
+    "topk_bracket_reference",
     "topk_threshold_reference",
 ]
 
@@ -72,7 +76,9 @@ REFERENCE_FOR_OP = {
     "project_budget": project_budget_reference,
     "project_budget_": project_budget_reference,  # in-place variant
     "topk_threshold": topk_threshold_reference,
+    "topk_bracket": topk_bracket_reference,
     "prunadag_step_": prunadag_step_reference,
+    "prunadag_norms": prunadag_norms_reference,
     "fb_reconstruct": fb_reconstruct_reference,
     "fb_reconstruct_backward": fb_coefficient_grads_reference,
     "fb_conv2d": fb_conv2d_reference,

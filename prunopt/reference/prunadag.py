@@ -26,6 +26,7 @@ __all__ = [
     "resolve_relevant",
     "step_lr",
     "topk_threshold_reference",
+    "topk_bracket_reference",
     "effective_grad",
     "prunadag_norms_reference",
     "prunadag_step_reference",
@@ -102,6 +103,16 @@ def topk_threshold_reference(values: Sequence[Tensor], k: int) -> Tensor:
     return torch.kthvalue(flat, n - k + 1).values
 
 
+def topk_bracket_reference(values: Sequence[Tensor], lo: float, hi: float) -> Tuple[Tensor, Tensor]:
+    """For a bracket ``[lo, hi]`` of a top-k threshold: the number of ``|v| > hi``
+    (int64, 0-dim) and the candidates ``|v|`` with ``lo <= |v| <= hi`` in index
+    order over the concatenation (the oracle of the ``topk_bracket`` op)."""
+    flat = torch.cat([v.detach().reshape(-1) for v in values]).abs()
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("values contain a non-finite value")
+    return (flat > hi).sum().to(torch.int64), flat[(flat >= lo) & (flat <= hi)]
+
+
 _SQRT_IS_IEEE: dict = {}
 
 
@@ -142,25 +153,34 @@ def effective_grad(x: Tensor, g: Tensor, hp: TensorHyper) -> Tensor:
 
 
 def prunadag_norms_reference(params: List[Tensor], grads: List[Tensor], hypers: List[TensorHyper],
-                             tau) -> Tuple[float, float]:
+                             tau) -> Tensor:
     r"""The squared norms of Table 1's ratio for a given threshold, over the
     pruned tensors of one scope: :math:`\|g\|_R^2` over
     :math:`R = \{|g| \ge \tau\}` and :math:`\|x\|_M^2` over the sign-matched
     irrelevant set :math:`M = \{i \notin R : x_i g_i > 0\}` (effective
-    gradients; float64 sums). ``tau=None`` means every element is relevant.
-    Summed over the parts of a scope split between processes, they give the
-    ratio :math:`r = \|g\|_R / \|x\|_M` of the whole scope."""
+    gradients; float64 sums), and whether an effective gradient of any tensor
+    (pruned or not) is not finite. ``tau`` is a number or a one-element tensor;
+    ``None`` or 0 means every element is relevant.
+
+    Returns a float64 tensor ``[||g||_R^2, ||x||_M^2, 1.0 if non-finite else 0.0]``.
+    Summed over the parts of a scope split between processes, the first two
+    give the ratio :math:`r = \|g\|_R / \|x\|_M` of the whole scope (the
+    oracle of the ``prunadag_norms`` op)."""
+    if isinstance(tau, Tensor):
+        tau = float(tau.reshape(()))
     g_r = x_m = 0.0
+    bad = False
     with torch.no_grad():
         for x, g, hp in zip(params, grads, hypers):
+            ge = effective_grad(x, g, hp)
+            bad |= not bool(torch.isfinite(ge).all())
             if not hp.prune or x.numel() == 0:
                 continue
-            ge = effective_grad(x, g, hp)
-            rel = torch.ones_like(ge, dtype=torch.bool) if tau is None else ge.abs() >= tau
+            rel = torch.ones_like(ge, dtype=torch.bool) if not tau else ge.abs() >= tau
             m = (~rel) & (x * ge > 0)
             g_r += (ge.double().pow(2) * rel).sum().item()
             x_m += (x.double().pow(2) * m).sum().item()
-    return g_r, x_m
+    return torch.tensor([g_r, x_m, 1.0 if bad else 0.0], dtype=torch.float64)
 
 
 def prunadag_step_reference(
@@ -203,7 +223,7 @@ def prunadag_step_reference(
             # Step 1, eq. 2.6: R = {|g| >= tau}, tau the T-th largest |g| (ties all relevant)
             tau = topk_threshold_reference([gs[i] for i in pruned], T) if n > 0 and T < n else None
             # Table 1 ratio r = ||g||_R / ||x||_M (float64; prunopt reads the paper's S as M)
-            g_r, x_m = prunadag_norms_reference(params, grads, hypers, tau)
+            g_r, x_m, _ = prunadag_norms_reference(params, grads, hypers, tau).tolist()
             ratio = math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0
         rel = []
         for i, g in enumerate(gs):

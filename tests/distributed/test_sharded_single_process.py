@@ -150,6 +150,38 @@ def test_radix_select_bit_identical(case):
         assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
 
 
+@settings(max_examples=60)
+@given(threshold_case())
+@example((torch.float32, [4097, 0, 5], "ties", 0, 1.0))
+@example((torch.float64, [100, 1], "tiny", 1, 0.0))
+@example((torch.float32, [4097, 4097], "one_value", 2, 0.5))
+def test_bracket_select_bit_identical(case):
+    """The bracketed select (float32/float64 on the CPU) in one process: the
+    bracket of two exact order statistics, then the radix passes among the
+    elements inside it."""
+    dtype, sizes, kind, seed, kpos = case
+    if dtype not in (torch.float32, torch.float64):
+        return
+    vals = _threshold_data(dtype, sizes, kind, seed)
+    n = sum(sizes)
+    if n == 0:
+        return
+    k = min(n, 1 + int(kpos * n))
+    got = D._bracket_select(vals, _one_process_plan(vals), k)
+    want = one_threshold(vals, k)
+    assert got.dtype == dtype and got.shape == ()
+    assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
+
+
+def test_bracket_select_non_finite():
+    for bad in (math.nan, math.inf, -math.inf):
+        x = torch.randn(200)
+        x[3] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            D._bracket_select([x], _one_process_plan([x]), 2)
+        assert D._bracket_select([x], _one_process_plan([x]), 2, nonfinite_is_none=True) is None
+
+
 def test_radix_select_every_k_with_ties(radix_mode):
     g = torch.Generator().manual_seed(3)
     vals = [torch.randint(-4, 5, (40,), generator=g).float(), torch.tensor([0.0, -0.0, 4.0, -4.0])]

@@ -23,21 +23,25 @@ def _split(full: torch.Tensor, rank: int, cuts) -> torch.Tensor:
     return torch.tensor_split(full.reshape(-1), list(cuts))[rank]
 
 
-def _cases(fulls, cuts_per_tensor, rank, ks, modes=("compact", "device")):
-    """(mode, k, sharded, one-process) for every k and both code paths."""
+def _cases(fulls, cuts_per_tensor, rank, ks, modes=("bracket", "compact", "device")):
+    """(mode, k, sharded, one-process) for every k and every code path: the
+    bracket (the CPU's float32/float64 path), the radix select over all the
+    elements with its candidates compacted (the CPU's other dtypes) or not
+    (CUDA's)."""
     import prunopt.distributed as D
     from prunopt.ops import topk_threshold
 
     local = [_split(f, rank, cuts) for f, cuts in zip(fulls, cuts_per_tensor)]
     out = []
-    saved = D._COMPACT_DEVICES
+    saved = D._COMPACT_DEVICES, D._BRACKET_DEVICES
     try:
         for mode in modes:
-            D._COMPACT_DEVICES = frozenset({"cpu"}) if mode == "compact" else frozenset()
+            D._BRACKET_DEVICES = frozenset({"cpu"}) if mode == "bracket" else frozenset()
+            D._COMPACT_DEVICES = frozenset({"cpu"}) if mode in ("bracket", "compact") else frozenset()
             for k in ks:
                 out.append((mode, k, D.topk_threshold(local, k), topk_threshold(fulls, k)))
     finally:
-        D._COMPACT_DEVICES = saved
+        D._COMPACT_DEVICES, D._BRACKET_DEVICES = saved
     return out
 
 
@@ -311,7 +315,15 @@ def sc_make_group(rank, world):
     return True
 
 
-SCENARIOS = [sc_random, sc_ties, sc_uneven_and_empty, sc_all_equal, sc_dtypes, sc_dtensor, sc_fsdp2, sc_mesh_2d,
+def sc_skewed(rank, world):
+    """Ranks whose values differ by orders of magnitude (the bracket spans one
+    rank's values whole): still bit-identical, for k at every scale."""
+    g = torch.Generator().manual_seed(11)
+    full = torch.cat([torch.randn(3000, generator=g) * 100 + 1000, torch.randn(5000, generator=g) * 1e-3])
+    return _cases([full], [(3000,)], rank, [1, 7, 2999, 3000, 3001, 4000, 7999, 8000])
+
+
+SCENARIOS = [sc_skewed, sc_random, sc_ties, sc_uneven_and_empty, sc_all_equal, sc_dtypes, sc_dtensor, sc_fsdp2, sc_mesh_2d,
              sc_collectives, sc_err_nonfinite, sc_err_inf, sc_err_k_too_large, sc_err_k_zero, sc_err_k_differs,
              sc_err_dtype_differs, sc_err_k_type, sc_after_errors, sc_helpers, sc_make_group, sc_helper_errors]
 
@@ -330,7 +342,7 @@ def _assert_bit_identical(per_rank):
             assert got.view(i).item() == want.detach().view(i).item(), (rank, mode, k, got.item(), want.item())
 
 
-@pytest.mark.parametrize("name", ["sc_random", "sc_ties", "sc_uneven_and_empty", "sc_all_equal", "sc_dtypes",
+@pytest.mark.parametrize("name", ["sc_skewed", "sc_random", "sc_ties", "sc_uneven_and_empty", "sc_all_equal", "sc_dtypes",
                                   "sc_dtensor", "sc_fsdp2", "sc_mesh_2d"])
 def test_bit_identical_to_one_process(results, name):
     _assert_bit_identical(ok(results[name]))
@@ -345,7 +357,9 @@ def test_replicated_counts_once(results):
 def test_fixed_number_of_small_collectives(results):
     for per_rank in ok(results["sc_collectives"]):
         for (dtype, n), calls in per_rank.items():
-            passes = {"torch.float32": 3, "torch.float64": 6, "torch.bfloat16": 2}[dtype]
+            # float32/float64 on the CPU: the bracket (n, the bracket, the counts), then the
+            # radix passes among the candidates; bfloat16: the radix passes alone
+            passes = {"torch.float32": 3 + 3, "torch.float64": 3 + 6, "torch.bfloat16": 2}[dtype]
             assert len(calls) == passes, (dtype, n, calls)  # independent of n
             assert max(calls) <= 2057 * 8, calls  # one 2048-bucket histogram + 9 integers at most
         assert per_rank[("torch.float32", 10)] == per_rank[("torch.float32", 100_000)]

@@ -176,7 +176,7 @@ def test_step_given_selection_of_the_own_threshold_is_the_plain_step():
     hypers = [TensorHyper(lr=0.3, k=3.0, weight_decay=0.01) for _ in xs]
     keys = [g.add(x, alpha=0.01) for x, g in zip(xs, gs)]
     tau = topk_threshold(keys, 400)
-    g_r, x_m = prunadag_norms_reference(xs, gs, hypers, tau)
+    g_r, x_m, _ = prunadag_norms_reference(xs, gs, hypers, tau).tolist()
     sel = torch.tensor([float(tau), math.sqrt(g_r) / math.sqrt(x_m)], dtype=torch.float64)
     plain = [[t.clone() for t in lst] for lst in (xs, so, sd)]
     torch.ops.prunopt.prunadag_step_(plain[0], plain[1], plain[2], gs, _hyper_tensor(hypers), 400, 3)
@@ -200,6 +200,108 @@ def test_step_given_selection_nonfinite_raises_or_flags_before_writing():
     torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyp, 0, 3, flag, sel)
     assert flag.item() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(xs + so + sd, before))
+
+
+@needs_ext
+@given(
+    sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    q=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+)
+@example(sizes=[4097, 0, 13], dtype=torch.float32, seed=1, ties=True, q=(0.5, 0.5))
+def test_bracket_matches_reference(sizes, dtype, seed, ties, q):
+    from prunopt.ops import topk_bracket
+    from prunopt.reference.prunadag import topk_bracket_reference
+
+    vals = _values(sizes, dtype, seed, ties, 3.0)
+    flat = torch.cat(vals).abs()
+    if flat.numel() == 0:
+        lo = hi = 0.5
+    else:
+        lo, hi = sorted(float(flat.double().quantile(x).to(dtype)) for x in q)
+    above, cands = torch.ops.prunopt.topk_bracket(vals, lo, hi)
+    want_above, want_cands = topk_bracket_reference(vals, lo, hi)
+    assert above.dtype == torch.int64 and above.shape == () and int(above) == int(want_above)
+    assert cands.dtype == dtype and torch.equal(cands, want_cands)
+    a2, c2 = topk_bracket(vals, lo, float("inf"))
+    assert int(a2) == 0 and c2.numel() == int((flat >= lo).sum())
+
+
+@needs_ext
+@pytest.mark.parametrize("args, exc, match", [
+    (([torch.ones(3, dtype=torch.int32)], 0.0, 1.0), ValueError, "float32 or float64"),
+    (([torch.ones(3), torch.ones(3, dtype=torch.float64)], 0.0, 1.0), ValueError, "dtype"),
+    (([torch.ones(3)], -1.0, 1.0), ValueError, "lo must be finite"),
+    (([torch.ones(3)], 2.0, 1.0), ValueError, "hi must be >= lo"),
+    (([torch.ones(3)], 0.1, 1.0), ValueError, "values of the values' dtype"),
+    (([torch.tensor([1.0, float("nan")])], 0.0, 1.0), ValueError, "non-finite"),
+])
+def test_bracket_op_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        torch.ops.prunopt.topk_bracket(*args)
+
+
+def test_bracket_wrapper_errors():
+    from prunopt.ops import topk_bracket
+
+    with pytest.raises(TypeError, match="non-empty list"):
+        topk_bracket([], 0.0, 1.0)
+    with pytest.raises(TypeError, match="lo must be a real number"):
+        topk_bracket(torch.ones(3), "0", 1.0)
+    with pytest.raises(ValueError, match="0 <= lo <= hi"):
+        topk_bracket(torch.ones(3), 1.0, 0.5)
+
+
+@needs_ext
+@given(
+    sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float16, torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    q=st.floats(0.0, 1.0),
+    wd=st.sampled_from([0.0, 0.1]),
+    maximize=st.booleans(),
+    unpruned_last=st.booleans(),
+    bad=st.sampled_from([None, "nan", "inf"]),
+)
+def test_norms_matches_reference(sizes, dtype, seed, q, wd, maximize, unpruned_last, bad):
+    from prunopt.reference.prunadag import prunadag_norms_reference
+
+    xs, gs, _, _ = _case(sizes, dtype, seed, False)
+    hypers = [TensorHyper(lr=0.5, weight_decay=wd, maximize=maximize,
+                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
+              for i in range(len(sizes))]
+    if bad is not None and gs[-1].numel():
+        gs[-1].view(-1)[0] = float(bad)
+    up = [t.float() if dtype == torch.float16 else t for t in xs], [t.float() if dtype == torch.float16 else t
+                                                                     for t in gs]
+    keys = torch.cat([(-g if maximize else g).add(x, alpha=wd).abs().reshape(-1) for x, g in zip(*up)])
+    finite = keys[torch.isfinite(keys)]
+    tau = 0.0 if finite.numel() == 0 else float(finite.double().quantile(q).to(up[0][0].dtype))
+    got = torch.ops.prunopt.prunadag_norms(xs, gs, _hyper_tensor(hypers), torch.tensor([tau], dtype=torch.float64))
+    want = prunadag_norms_reference(up[0], up[1], hypers, tau)
+    assert got.dtype == torch.float64 and got.shape == (3,)
+    assert got[2].item() == want[2].item()
+    if want[2].item() == 0:
+        torch.testing.assert_close(got[:2], want[:2], rtol=1e-6 if dtype != torch.float64 else 1e-12, atol=1e-30)
+
+
+@needs_ext
+def test_norms_op_errors_and_opchecks():
+    xs, gs, _, _ = _case([6, 1, 0, 9], torch.float64, 1, False)
+    hyp = _hyper_tensor([TensorHyper(lr=0.5) for _ in xs])
+    tau = torch.tensor([0.3], dtype=torch.float64)
+    torch.library.opcheck(torch.ops.prunopt.prunadag_norms.default, (xs, gs, hyp, tau))
+    torch.library.opcheck(torch.ops.prunopt.topk_bracket.default, ([torch.randn(5, 3), torch.randn(7)], 0.25, 1.5))
+    with pytest.raises(ValueError, match="tau must be a one-element float64"):
+        torch.ops.prunopt.prunadag_norms(xs, gs, hyp, tau.float())
+    with pytest.raises(ValueError, match="tau must be finite"):
+        torch.ops.prunopt.prunadag_norms(xs, gs, hyp, torch.tensor([-1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="grads must have"):
+        torch.ops.prunopt.prunadag_norms(xs, gs[:2], hyp, tau)
+    with pytest.raises(ValueError, match="hyper must be"):
+        torch.ops.prunopt.prunadag_norms(xs, gs, hyp[:2], tau)
 
 
 @needs_ext
