@@ -16,7 +16,8 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from _zoo import bert, gpt2, logits, tokens  # noqa: E402
-from prunopt.nn import apply_probmask, finalize_probmask, probmask_modules, probmask_scores  # noqa: E402
+from prunopt.nn import (apply_probmask, finalize_probmask, probmask_modules, probmask_scores,  # noqa: E402
+                        remove_channels)
 from prunopt.optim import BudgetProjection, PrunAdag  # noqa: E402
 from prunopt.pruning import (  # noqa: E402
     DynamicSparseTraining,
@@ -180,6 +181,27 @@ def test_probmask_on_gpt2_tied_head_is_a_clear_error():
     with pytest.raises(ValueError, match="lm_head.*transformer.wte.weight"):
         apply_probmask(model)  # default layer types: the only nn.Linear is the tied head
     assert not any(n.endswith("parametrizations") for n, _ in model.named_modules())
+
+
+def test_remove_channels_shrinks_bert_feed_forward_layers():
+    """BERT's linear layers read the last dimension of (B, L, C) activations:
+    with nothing exactly zero the copy keeps every layer's size; hidden
+    feed-forward features whose rows (weights and bias) are zero go, with the
+    matching inputs of the layer that reads them, and the outputs stay."""
+    model = bert().eval()
+    x = tokens()
+    same = remove_channels(model, example_input=x)
+    assert sum(p.numel() for p in same.parameters()) == sum(p.numel() for p in model.parameters())
+    _close(logits(same(x)), logits(model(x)))
+    with torch.no_grad():
+        for layer, rows in zip(model.bert.encoder.layer, ([0, 5, 9], list(range(0, 64, 2)))):
+            layer.intermediate.dense.weight[rows] = 0.0
+            layer.intermediate.dense.bias[rows] = 0.0
+    small = remove_channels(model, example_input=x)
+    for layer, n in zip(small.bert.encoder.layer, (61, 32)):
+        assert layer.intermediate.dense.out_features == layer.output.dense.in_features == n
+        assert layer.attention.self.query.in_features == 32  # the residual stream keeps its width
+    _close(logits(small(x)), logits(model(x)))
 
 
 # ------------------------------------------------------------------------------ Trainer
