@@ -219,21 +219,29 @@ def _prunadag(model):
     return opt, sched
 
 
-def _rows(n, same=False):
-    """Language-model rows. The first label is ignored (-100): it is never a
-    prediction target, and so the token count the Trainer normalises the loss
-    by is the same whether it counts the labels before or after the shift."""
-    rows = [tokens(1, 8, seed=0 if same else i)[0] for i in range(n)]
-    return [{"input_ids": r, "labels": torch.cat([torch.tensor([-100]), r[1:]])} for r in rows]
+def _rows(kind, n, same=False):
+    """Training rows. GPT-2: language-model rows whose first label is ignored
+    (-100): it is never a prediction target, and so the token count the
+    Trainer normalises the loss by is the same whether it counts the labels
+    before or after the shift. BERT: a sequence and its class."""
+    ids = [tokens(1, 8, seed=0 if same else i)[0] for i in range(n)]
+    if kind == "gpt2":
+        return [{"input_ids": r, "labels": torch.cat([torch.tensor([-100]), r[1:]])} for r in ids]
+    return [{"input_ids": r, "labels": r[0] % 3} for r in ids]
 
 
-def test_prunadag_in_the_trainer_matches_a_plain_loop(tmp_path):
-    data = _rows(6, same=True)  # one batch repeated: the Trainer's sampling order does not matter
-    model = gpt2()
+TRAINER_MODELS = {"gpt2": gpt2, "bert": bert}
+
+
+@pytest.mark.parametrize("kind", sorted(TRAINER_MODELS))
+def test_prunadag_in_the_trainer_matches_a_plain_loop(tmp_path, kind):
+    build = TRAINER_MODELS[kind]
+    data = _rows(kind, 6, same=True)  # one batch repeated: the Trainer's sampling order does not matter
+    model = build()
     opt, sched = _prunadag(model)
     Trainer(model=model, args=_args(str(tmp_path), 3), train_dataset=data, optimizers=(opt, sched)).train()
 
-    ref = gpt2()
+    ref = build()
     ref.train()
     ropt, rsched = _prunadag(ref)
     batch = {k: torch.stack([r[k] for r in data[:2]]) for k in data[0]}
@@ -247,30 +255,34 @@ def test_prunadag_in_the_trainer_matches_a_plain_loop(tmp_path):
     assert float(opt.state[next(model.parameters())]["step"]) == 3
 
 
-def test_trainer_checkpoint_resume_continues_exactly(tmp_path):
-    data = _rows(8)
+@pytest.mark.parametrize("kind", sorted(TRAINER_MODELS))
+def test_trainer_checkpoint_resume_continues_exactly(tmp_path, kind):
+    """A run saved at step 2 of 4 and resumed from that checkpoint (into a
+    model built with other weights) ends where the uninterrupted run ends:
+    parameters, optimizer state and scheduler, bit for bit."""
+    build = TRAINER_MODELS[kind]
+    data = _rows(kind, 8)
     out = str(tmp_path / "run")
-    model = gpt2()
+    model = build()
     opt, sched = _prunadag(model)
     Trainer(model=model, args=_args(out, 4, save_steps=2), train_dataset=data, optimizers=(opt, sched)).train()
     ckpt = os.path.join(out, "checkpoint-2")
     assert os.path.exists(os.path.join(ckpt, "optimizer.pt"))
 
-    resumed = gpt2(seed=1)  # other weights: they must come from the checkpoint
+    resumed = build(seed=1)  # other weights: they must come from the checkpoint
     ropt, rsched = _prunadag(resumed)
     Trainer(model=resumed, args=_args(out, 4), train_dataset=data, optimizers=(ropt, rsched)).train(
         resume_from_checkpoint=ckpt)
     for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=0, rtol=0, msg=n)
-    p0 = next(model.parameters())
-    q0 = next(resumed.parameters())
-    for key in ("sum", "decrease_sum", "step"):
-        torch.testing.assert_close(ropt.state[q0][key], opt.state[p0][key], atol=0, rtol=0)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        for key in ("sum", "decrease_sum", "step"):
+            torch.testing.assert_close(ropt.state[q][key], opt.state[p][key], atol=0, rtol=0)
     assert rsched.last_epoch == sched.last_epoch == 4
 
     # the optimizer state matters: resuming without it does not continue the run
     os.remove(os.path.join(ckpt, "optimizer.pt"))
-    cold = gpt2(seed=1)
+    cold = build(seed=1)
     copt, csched = _prunadag(cold)
     Trainer(model=cold, args=_args(str(tmp_path / "cold"), 4), train_dataset=data,
             optimizers=(copt, csched)).train(resume_from_checkpoint=ckpt)
