@@ -6,11 +6,15 @@ and torch still that build: nothing in the extra may pull another torch. The
 second test checks the same offline, from the installed distributions'
 metadata: every requirement on ``torch`` reachable from the ``[test]`` extra
 is satisfied by the installed torch, so pip never had (and never will have)
-a reason to replace it.
+a reason to replace it. CI sets ``PRUNOPT_REQUIRE_TEST_EXTRAS=1``: a test
+session then refuses to start when the extra does not import, so the zoo tests
+cannot pass by skipping.
 """
 import importlib.metadata as md
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,3 +81,21 @@ def test_no_requirement_of_the_test_extra_asks_for_another_torch():
     for req in torch_reqs:
         assert req.specifier.contains(torch_version, prereleases=True), \
             f"{req} would replace the installed torch {torch_version}"
+
+
+def test_ci_flag_refuses_a_session_without_the_test_extra(tmp_path):
+    """With PRUNOPT_REQUIRE_TEST_EXTRAS=1 (set by .ci/run) a missing or broken
+    transformers stops the session with the reason, instead of the zoo tests
+    being skipped."""
+    shadow = tmp_path / "transformers"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('transformers is broken here')\n")
+    env = dict(os.environ, PRUNOPT_REQUIRE_TEST_EXTRAS="1", PYTHONPATH=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                          os.path.join("tests", "test_schedules.py")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode != 0
+    assert "PRUNOPT_REQUIRE_TEST_EXTRAS" in run.stdout + run.stderr
+    assert "transformers is broken here" in run.stdout + run.stderr
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "export PRUNOPT_REQUIRE_TEST_EXTRAS=1" in f.read()
