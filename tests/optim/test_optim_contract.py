@@ -835,6 +835,36 @@ def test_state_follows_a_dtype_change_like_adagrad(impl):
                for s in opt.state.values())
 
 
+def test_sfw_state_follows_a_dtype_change():
+    """SFW built before ``model.double()`` carries on: its momentum buffers take
+    the parameters' dtype, and the run agrees with one whose parameters and
+    buffers were converted to float64 by hand at the same point (to the
+    float32 rounding of the first momentum product after the change, which
+    multiplies the float32 buffer before promoting it)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [SFW(m.parameters(), lr=0.1, momentum=0.9, rescale="gradient", relevant=0.5) for m in models]
+    x = torch.randn(5, 4)
+    for step in range(4):
+        if step == 2:
+            models[0].double()  # the optimizer is not told
+            with torch.no_grad():  # the reference converts everything itself
+                for p in models[1].parameters():
+                    buf = opts[1].state[p]["momentum_buffer"]
+                    p.data = p.data.double()
+                    opts[1].state[p]["momentum_buffer"] = buf.double()
+                models[1].double()
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x.to(m.weight.dtype)).pow(2).sum().backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    assert all(s["momentum_buffer"].dtype == torch.float64 for s in opts[0].state.values())
+
+
 @pytest.mark.parametrize("scope", ["global", "group", "tensor"])
 @pytest.mark.parametrize("impl", [i for i, _ in impl_kwargs(prunadag_info)])
 def test_expanded_parameter_raises_before_any_write(impl, scope):
