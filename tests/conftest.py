@@ -21,6 +21,29 @@ def pytest_report_header(config):
     )
 
 
+def _flag(name):
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def missing_test_extras():
+    """The modules of the package's ``[test]`` extra that the model-zoo tests
+    skip without, and that do not import here (with the reason)."""
+    import importlib
+
+    missing = []
+    for name in ("transformers", "accelerate"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # an ImportError, or a broken install failing at import
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    return missing
+
+
 def pytest_sessionstart(session):
-    if os.environ.get("PRUNOPT_REQUIRE_EXTENSION", "0") not in ("", "0") and not prunopt.extension_available():
+    if _flag("PRUNOPT_REQUIRE_EXTENSION") and not prunopt.extension_available():
         raise RuntimeError("PRUNOPT_REQUIRE_EXTENSION is set but prunopt._C is not loaded")
+    if _flag("PRUNOPT_REQUIRE_TEST_EXTRAS"):
+        missing = missing_test_extras()
+        if missing:  # CI installed ".[test]": the zoo tests must run, not skip
+            raise RuntimeError("PRUNOPT_REQUIRE_TEST_EXTRAS is set but the test extra is not importable: "
+                               + "; ".join(missing))

@@ -109,6 +109,11 @@ class TwoTemperatureMask(nn.Module):
         return (self.w.detach() > 0).to(self.w.dtype)
 
     def mask(self) -> Tensor:
+        """The mask in use: :meth:`binary_mask` once frozen, else :meth:`relaxed_mask`."""
+        if torch.compiler.is_compiling() and not self.frozen.is_meta:
+            # chosen on the device (reading the flag on the host would break the graph); the frozen
+            # branch is the detached binary mask, so gradients flow only while the mask is live
+            return torch.where(self.frozen, self.binary_mask(), self.relaxed_mask())
         if self._is_frozen():
             return self.binary_mask()
         return self.relaxed_mask()

@@ -556,16 +556,22 @@ class ChannelGraph:
         last = ndim - 1 if ndim is not None else None
         if x.slots is None and x.lazy_input:
             x.cdim = -1 if ndim is None else ndim - 1
-        has = self._ensure(x, m.in_features, name) if (x.slots is not None or x.lazy_input) else False
-        channel_last = has and (x.cdim == -1 or (last is not None and x.cdim == last) or
-                                (ndim is None and x.spatial1) or x.ndim == 2)
+        reads_cdim = (x.cdim == -1 or (last is not None and x.cdim == last) or (ndim is None and x.spatial1)
+                      or x.ndim == 2)
         with torch.no_grad():
             rows_zero = (m.weight == 0).all(dim=1)
             if m.bias is not None:
                 rows_zero &= m.bias == 0
         out = self._new(m.out_features, (ndim - 1) if ndim is not None else -1, ndim, out_shape, rows_zero.tolist())
+        if x.slots is not None and not reads_cdim:
+            # the layer contracts another dimension than the traced channels (e.g. the features of a
+            # (B, L, C) sequence after an operation the analysis does not know, whose dim 1 was taken for
+            # the channels): those channels stay, and the layer's inputs are not followed
+            self._pin(x, f"module {name!r} (Linear) reads a dimension that is not the channels", unknown=True)
+            return self._record(name, m, self._opaque(x.shape), out)
+        has = self._ensure(x, m.in_features, name) if (x.slots is not None or x.lazy_input) else False
         if has:
-            if channel_last:
+            if reads_cdim:
                 self._read(x)
             else:
                 self._pin(x, f"module {name!r} (Linear) reads a dimension that is not the channels", unknown=True)

@@ -23,6 +23,7 @@ before stay valid); :func:`to_torch_prune` hands a masker's masks back to
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -110,8 +111,57 @@ def _masker_with(model, optimizers, include, exclude, masks) -> Masker:
     return masker
 
 
+def _has_prune_hook(m: nn.Module, tname: str) -> bool:
+    return any(isinstance(h, torch_prune.BasePruningMethod) and h._tensor_name == tname
+               for h in m._forward_pre_hooks.values())
+
+
+def _load_torch_prune_checkpoint(model: nn.Module, state_dict) -> None:
+    """Loads a state dict saved from a ``torch.nn.utils.prune`` model (keys
+    ``<t>_orig`` and ``<t>_mask`` for each pruned tensor ``<t>``) into
+    ``model``: each such tensor first gets ``torch.nn.utils.prune.identity``
+    (unless ``model`` is pruned there already), so that the keys match. On any
+    error the hooks it added are removed and ``model`` is as it was."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping (a model's state dict), got {type(state_dict).__name__}")
+    pruned = sorted(k[: -len("_mask")] for k in state_dict
+                    if isinstance(k, str) and k.endswith("_mask") and k[: -len("_mask")] + "_orig" in state_dict)
+    todo = []
+    every = prunable_tensors(model)
+    for full in pruned:
+        mname, _, tname = full.rpartition(".")
+        try:
+            m = model.get_submodule(mname)
+        except AttributeError:
+            raise ValueError(f"state_dict holds {full}_orig and {full}_mask, but the model has no module "
+                             f"{mname!r}") from None
+        if not _has_prune_hook(m, tname):
+            if not isinstance(m._parameters.get(tname), nn.Parameter):
+                raise ValueError(f"state_dict holds {full}_orig and {full}_mask, but the model's module {mname!r} "
+                                 f"({type(m).__name__}) has no parameter {tname!r}")
+            todo.append((m, tname))
+        if full not in every:  # as from_torch_prune's own check, but before the checkpoint is loaded
+            raise ValueError(
+                f"{full} is masked by the torch.nn.utils.prune checkpoint, but a Masker masks only the weight of "
+                "Conv2d, Linear and transformers' Conv1D layers and the coefficients of FBConv2d layers")
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    order = {id(m): list(m._parameters) for m, _ in todo}
+    added = []
+    try:
+        for m, tname in todo:
+            torch_prune.identity(m, tname)
+            added.append((m, tname))
+        model.load_state_dict(state_dict)
+    except Exception:
+        for m, tname in reversed(added):
+            torch_prune.remove(m, tname)  # weight_orig * ones: the same Parameter again
+            m._parameters = {k: m._parameters[k] for k in order[id(m)]}  # and in its place
+        model.load_state_dict(before)  # load_state_dict copies what it can before it reports an error
+        raise
+
+
 def from_torch_prune(model: nn.Module, optimizers=None, include: Optional[Sequence[str]] = None,
-                     exclude: Optional[Sequence[str]] = None) -> Masker:
+                     exclude: Optional[Sequence[str]] = None, *, state_dict=None) -> Masker:
     """A :class:`Masker` holding the masks that ``torch.nn.utils.prune`` put on ``model``.
 
     Every pruned tensor that the masker selects (``include``/``exclude``, as
@@ -131,11 +181,25 @@ def from_torch_prune(model: nn.Module, optimizers=None, include: Optional[Sequen
         masker = from_torch_prune(model, optimizer)   # model now has WeightMask parametrizations
         ... optimizer.step(); masker.step()
 
+    ``state_dict``: a checkpoint saved from a model pruned with
+    ``torch.nn.utils.prune`` (keys ``<name>_orig`` and ``<name>_mask``), to be
+    loaded into ``model`` (the same architecture, unpruned or pruned) first:
+    each pruned tensor of the checkpoint gets ``torch.nn.utils.prune.identity``
+    so that the keys match, the checkpoint is loaded, and its masks are taken
+    over as above::
+
+        masker = from_torch_prune(Net(), optimizer, state_dict=torch.load("pruned.pt"))
+
     Raises ``ValueError`` (before anything changes) for a pruned tensor that a
-    masker cannot hold (a bias, an embedding, ...), naming it.
+    masker cannot hold (a bias, an embedding, ...), naming it, and for a
+    checkpoint key whose module or parameter ``model`` lacks; a checkpoint that
+    does not load (``RuntimeError`` of ``load_state_dict``) leaves ``model`` as
+    it was.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if state_dict is not None:
+        _load_torch_prune_checkpoint(model, state_dict)
     plan = _plan(model, _pruning_hooks(model), include, exclude, "torch.nn.utils.prune")
     masks = OrderedDict()
     for key, _, m, tname in plan:

@@ -167,6 +167,45 @@ def test_an_op_the_analysis_cannot_follow_is_an_error_naming_its_module():
         remove_channels(model, example_input=x)
 
 
+class TokenMLP(nn.Module):
+    """A sequence model: token embeddings (B, L, C), a layer norm (an operation
+    the analysis does not follow, whose dim 1 is the sequence), then an MLP
+    over the features, the last dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.norm = nn.LayerNorm(6)
+        self.up = nn.Linear(6, 8)
+        self.down = nn.Linear(8, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids):
+        h = self.norm(self.emb(ids))
+        return self.head(h + self.down(F.relu(self.up(h))))
+
+
+def test_linear_layers_over_the_features_of_a_sequence():
+    """The layers after an operation the analysis does not know read the last
+    dimension, not the dim 1 taken for its channels: they are not followed
+    there (no channel-count error), and the MLP's hidden features, known from
+    the layer that writes them, are removed where they are exactly zero."""
+    torch.manual_seed(0)
+    model = TokenMLP().eval()
+    ids = torch.randint(0, 10, (2, 5))
+    same = remove_channels(model, example_input=ids)
+    assert (same.up.out_features, same.down.in_features) == (8, 8)
+    torch.testing.assert_close(same(ids), model(ids))
+    with torch.no_grad():
+        model.up.weight[[1, 4, 6]] = 0.0
+        model.up.bias[[1, 4, 6]] = 0.0
+    small = remove_channels(model, example_input=ids)
+    assert (small.up.in_features, small.up.out_features, small.down.in_features) == (6, 5, 5)
+    assert small.head.in_features == 6  # the residual stream, read after the layer norm, keeps its features
+    torch.testing.assert_close(small.down.weight, model.down.weight[:, [0, 2, 3, 5, 7]])
+    torch.testing.assert_close(small(ids), model(ids))
+
+
 def test_grouped_convolutions_and_the_model_output_keep_their_channels():
     model = _sbn(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4),
                                nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.BatchNorm2d(4)))

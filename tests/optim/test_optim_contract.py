@@ -15,8 +15,18 @@ Not run here, with the reason:
 * CUDA-only checks (``test_mixed_device_dtype``, ``test_fused_cpu_matches_cuda``,
   ``test_state_dict_with_cuda_params``, ``test_cpu_load_state_dict``,
   ``test_defaults_changed_to_foreach``, ``test_peak_memory_foreach``,
-  ``test_set_default_dtype_works_with_foreach``): skipped without a GPU
+  ``test_set_default_dtype_works_with_foreach``,
+  ``test_forloop_goes_right_direction_multigpu``): skipped without a GPU
   (``tests/ops/test_cuda_kernels.py`` covers the CUDA kernels).
+* ``test_foreach_large_tensor`` / ``test_fused_large_tensor``: a 2**32-element
+  parameter (PyTorch asks for 64-72 GB), beyond a test machine.
+* ``test_fused_does_not_step_if_foundinf``: the fused step's ``grad_scale`` /
+  ``found_inf`` attributes are the protocol of optimizers that declare
+  ``_step_supports_amp_scaling``; PrunAdag and SFW do not, so
+  ``torch.amp.GradScaler`` unscales the gradients and skips a non-finite step
+  itself (``test_grad_scaler_unscales_and_skips_nonfinite_steps``).
+* ``test_second_order_optims_return_consistent_types``: only for optimizers
+  whose step requires a closure (LBFGS).
 * param groups with different ``relevant`` / ``version`` (PrunAdag with
   ``scope="global"``) or ``radius`` / ``relevant`` (SFW): one global top-T set
   spans all groups, so these must agree (``ValueError``, see ``test_errors``);
@@ -335,20 +345,68 @@ _FUSED_TOL = {torch.float64: None, torch.float32: None,
               torch.bfloat16: dict(atol=5e-3, rtol=5e-3), torch.float16: dict(atol=5e-3, rtol=5e-3)}
 
 
+def _compare_fused_reduced_with_float32(kwargs, dtype):
+    """The fused step on float16/bfloat16 parameters against the fused float32
+    step on the same values, state and gradients, upcast: equal after rounding
+    to the dtype, bit for bit (parameters and every state tensor), over the 7
+    steps of :func:`_compare_impls` (an empty parameter, a step without
+    gradients, a layer frozen for two steps). The float32 run restarts from
+    the rounded values before each step."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1),
+                                torch.nn.Sigmoid()).to(dtype)
+    empty = torch.zeros((), dtype=dtype, requires_grad=True)  # compared too: no uninitialised value (NaN)
+    empty.grad = torch.rand_like(empty)
+    params = list(model.parameters()) + [empty]
+    wide = [Parameter(p.detach().float()) for p in params]
+    opt = PrunAdag(params, fused=True, **deepcopy(kwargs))
+    ref = PrunAdag(wide, fused=True, **deepcopy(kwargs))
+    x = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=dtype).reshape(3, 2)
+    for i in range(7):
+        opt.zero_grad()
+        if i == 3:
+            model[2].requires_grad_(False)
+        if i == 5:
+            model[2].requires_grad_(True)
+        if i != 2:
+            model(x).sum().backward()
+        with torch.no_grad():
+            for p, w in zip(params, wide):
+                w.copy_(p)
+                w.grad = None if p.grad is None else p.grad.float()
+                for key, t in opt.state[p].items():
+                    ref.state[w][key] = t.float() if t.is_floating_point() and key != "step" else t.clone()
+        opt.step()
+        ref.step()
+        for k, (p, w) in enumerate(zip(params, wide)):
+            torch.testing.assert_close(p.detach(), w.detach().to(dtype), atol=0, rtol=0, msg=f"step {i} param {k}")
+            assert set(opt.state[p]) == set(ref.state[w])
+            for key, t in opt.state[p].items():
+                assert t.dtype == (dtype if key != "step" else ref.state[w][key].dtype), (key, t.dtype)
+                want = ref.state[w][key].to(t.dtype)
+                torch.testing.assert_close(t, want, atol=0, rtol=0, msg=f"step {i} param {k} {key}")
+
+
 @needs_ext
 @pytest.mark.parametrize("dtype", list(_FUSED_TOL), ids=str)
 @pytest.mark.parametrize("desc, kwargs", [(d, k) for d, k in all_inputs(prunadag_info) if not k.get("foreach")
                                            and not k.get("fused")])
 def test_fused_matches_forloop(desc, kwargs, dtype):
-    """test_fused_matches_forloop (float64, float32, bfloat16, float16)"""
+    """test_fused_matches_forloop (float64, float32, bfloat16, float16).
+
+    In float16/bfloat16 with ``relevant < 1`` the fused step is checked
+    against the fused float32 step rounded once instead (by design): the
+    forloop rounds g + wd x, s and the bounds a, b to the dtype, the fused
+    kernel computes them in float32 (as torch's fused Adagrad), so an element
+    near a threshold of R, A or D can take the other branch in the forloop,
+    and its update differs by far more than rounding. The float32 step itself
+    is checked against the forloop in float32."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "foreach"}
     if dtype in (torch.float16, torch.bfloat16) and kwargs.get("relevant", 0.1) != 1.0:
-        pytest.skip("by design: in float16/bfloat16 the forloop rounds g + wd x, s and the bounds a, b to the dtype, "
-                    "the fused kernel computes them in float32 (as torch's fused Adagrad), so an element near a "
-                    "threshold of R, A or D can take the other branch, and its update differs by far more than "
-                    "rounding; the fused step is checked against the float32 step rounded once, bit for bit, in "
-                    "test_prunadag.py::test_fused_reduced_precision_is_float32_rounded_once")
-    _compare_impls(prunadag_info, {k: v for k, v in kwargs.items() if k != "foreach"}, "fused", dtype,
-                   _FUSED_TOL[dtype])
+        kwargs.pop("fused")
+        _compare_fused_reduced_with_float32(kwargs, dtype)
+        return
+    _compare_impls(prunadag_info, kwargs, "fused", dtype, _FUSED_TOL[dtype])
 
 
 @needs_ext
@@ -398,6 +456,43 @@ def test_relevant_one_is_adagrad_for_torch_adagrad_inputs(desc, kwargs, impl):
         torch.testing.assert_close(wc, w, atol=2e-6, rtol=2e-6)
         torch.testing.assert_close(bc, b, atol=2e-6, rtol=2e-6)
         torch.testing.assert_close(opt.state[wc]["sum"], ref.state[w]["sum"])
+
+
+def _scaler_cases():
+    """Every input on the forloop; the default input on each implementation."""
+    out = _forloop_cases()
+    for info in optim_db:
+        out += [pytest.param(info, kw, id=f"{info.name}-{desc}")
+                for desc, kw in all_inputs(info)[1:len(impl_kwargs(info))]]
+    return out
+
+
+@pytest.mark.parametrize("info, kwargs", _scaler_cases())
+def test_grad_scaler_unscales_and_skips_nonfinite_steps(info, kwargs):
+    """Under ``torch.amp.GradScaler`` (the CPU one) the optimizer takes the
+    unscaled step (that of an unscaled run) and a step whose scaled gradients
+    overflow is skipped, the scale halved, the state untouched."""
+    w, b, x = _linear()
+    wc, bc = (Parameter(t.detach().clone()) for t in (w, b))
+    opt = info.optim_cls([w, b], **deepcopy(kwargs))
+    ref = info.optim_cls([wc, bc], **deepcopy(kwargs))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    for i in range(4):
+        opt.zero_grad()
+        loss = _loss(w, b, x) * (math.inf if i == 2 else 1.0)
+        scaler.scale(loss).backward()
+        state = deepcopy(opt.state_dict())
+        scaler.step(opt)
+        scaler.update()
+        if i == 2:
+            assert scaler.get_scale() == 2.0 ** 9
+            _assert_same(opt.state_dict(), state)
+        else:
+            ref.zero_grad()
+            _loss(wc, bc, x).backward()
+            ref.step()
+        torch.testing.assert_close(w, wc, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(b, bc, atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- no-op steps, grads untouched
@@ -738,6 +833,36 @@ def test_state_follows_a_dtype_change_like_adagrad(impl):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     assert all(s["sum"].dtype == torch.float64 and s["decrease_sum"].dtype == torch.float64
                for s in opt.state.values())
+
+
+def test_sfw_state_follows_a_dtype_change():
+    """SFW built before ``model.double()`` carries on: its momentum buffers take
+    the parameters' dtype, and the run agrees with one whose parameters and
+    buffers were converted to float64 by hand at the same point (to the
+    float32 rounding of the first momentum product after the change, which
+    multiplies the float32 buffer before promoting it)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [SFW(m.parameters(), lr=0.1, momentum=0.9, rescale="gradient", relevant=0.5) for m in models]
+    x = torch.randn(5, 4)
+    for step in range(4):
+        if step == 2:
+            models[0].double()  # the optimizer is not told
+            with torch.no_grad():  # the reference converts everything itself
+                for p in models[1].parameters():
+                    buf = opts[1].state[p]["momentum_buffer"]
+                    p.data = p.data.double()
+                    opts[1].state[p]["momentum_buffer"] = buf.double()
+                models[1].double()
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x.to(m.weight.dtype)).pow(2).sum().backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    assert all(s["momentum_buffer"].dtype == torch.float64 for s in opts[0].state.values())
 
 
 @pytest.mark.parametrize("scope", ["global", "group", "tensor"])

@@ -150,3 +150,81 @@ def test_from_ao_sparsifier():
     with pytest.raises(ValueError, match="fc1.weight"):
         from_ao_sparsifier(model)
     assert len(model.fc1.parametrizations.weight) == 2
+
+
+def _pruned_checkpoint():
+    """A state dict saved from a model pruned with torch.nn.utils.prune (fc1
+    pruned twice: its mask is the product), and the pruned model's outputs."""
+    model, x = _net(1)
+    prune.l1_unstructured(model.fc1, "weight", amount=0.5)
+    prune.random_unstructured(model.fc1, "weight", amount=0.3)
+    prune.ln_structured(model.conv, "weight", amount=0.5, n=2, dim=0)
+    with torch.no_grad():
+        y = model(x)
+    return model.state_dict(), x, y
+
+
+def test_from_torch_prune_loads_a_pruned_checkpoint_into_a_fresh_model():
+    sd, x, y = _pruned_checkpoint()
+    assert {"fc1.weight_orig", "fc1.weight_mask", "conv.weight_mask"} <= set(sd)
+    fresh, _ = _net(2)  # other weights: they come from the checkpoint
+    fc1_param = fresh.fc1.weight
+    opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    masker = from_torch_prune(fresh, opt, state_dict=sd)
+    masks = masker.masks()
+    assert torch.equal(masks["fc1.weight"], sd["fc1.weight_mask"].bool())
+    assert torch.equal(masks["conv.weight"], sd["conv.weight_mask"].bool())
+    assert masks["fc2.weight"].all()  # not pruned in the checkpoint
+    assert not any(_has_prune_hook(m) for m in fresh.modules())
+    assert fresh.fc1.parametrizations.weight.original is fc1_param  # the optimizer's Parameter
+    torch.testing.assert_close(fresh.fc1.weight, sd["fc1.weight_orig"] * sd["fc1.weight_mask"])
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), y)
+    # the masks hold through training, on the parameters and the momentum
+    for _ in range(2):
+        opt.zero_grad()
+        fresh(x).square().sum().backward()
+        opt.step()
+        masker.step()
+    assert not fresh.fc1.parametrizations.weight.original[~masks["fc1.weight"]].any()
+    assert not opt.state[fc1_param]["momentum_buffer"][~masks["fc1.weight"]].any()
+
+
+def test_from_torch_prune_checkpoint_into_an_already_pruned_model():
+    sd, x, y = _pruned_checkpoint()
+    model, _ = _net(3)
+    prune.l1_unstructured(model.fc1, "weight", amount=0.9)  # its own hook: the checkpoint's mask replaces its mask
+    masker = from_torch_prune(model, state_dict=sd)
+    assert torch.equal(masker.masks()["fc1.weight"], sd["fc1.weight_mask"].bool())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), y)
+
+
+@pytest.mark.parametrize("bad", ["no module", "no parameter", "bias", "shape"])
+def test_from_torch_prune_checkpoint_errors_leave_the_model_unchanged(bad):
+    sd, _, _ = _pruned_checkpoint()
+    if bad == "no module":
+        sd["head.weight_orig"], sd["head.weight_mask"] = sd["fc2.weight"], torch.ones_like(sd["fc2.weight"])
+        err, match = ValueError, "no module 'head'"
+    elif bad == "no parameter":
+        sd["fc2.scale_orig"], sd["fc2.scale_mask"] = torch.ones(3), torch.ones(3)
+        err, match = ValueError, "no parameter 'scale'"
+    elif bad == "bias":
+        sd["fc2.bias_orig"], sd["fc2.bias_mask"] = sd.pop("fc2.bias"), torch.ones(3)
+        err, match = ValueError, "fc2.bias"
+    else:
+        sd["fc1.weight_mask"] = torch.ones(16, 3)
+        err, match = RuntimeError, "size mismatch"
+    model, _ = _net(4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(err, match=match):
+        from_torch_prune(model, state_dict=sd)
+    assert not any(_has_prune_hook(m) for m in model.modules())
+    assert [n for n, _ in model.named_parameters()] == names  # the same parameters, in their order
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(TypeError, match="state_dict"):
+        from_torch_prune(model, state_dict=[1, 2])

@@ -110,7 +110,7 @@ def _check_masked(model, masker, target=None):
 PAI = ("random", "magnitude", "snip", "grasp", "synflow")
 
 
-@pytest.mark.parametrize("kind", ["resnet-basic", "mobilenet_v2"])
+@pytest.mark.parametrize("kind", CNNS)
 def test_every_pruning_method_on_the_image_models(kind):
     model, x = cnn(kind)
     y = labels()
@@ -188,7 +188,7 @@ def test_every_pruning_method_on_the_image_models(kind):
     _check_masked(m, masker, 0.8)
 
 
-@pytest.mark.parametrize("kind", ["resnet-basic", "mobilenet_v2"])
+@pytest.mark.parametrize("kind", CNNS)
 def test_two_temperature_masks_on_the_image_models(kind):
     model, x = cnn(kind)
     wrapped = wrap_two_temperature_masks(copy.deepcopy(model), generator=torch.Generator().manual_seed(0))

@@ -6,11 +6,15 @@ and torch still that build: nothing in the extra may pull another torch. The
 second test checks the same offline, from the installed distributions'
 metadata: every requirement on ``torch`` reachable from the ``[test]`` extra
 is satisfied by the installed torch, so pip never had (and never will have)
-a reason to replace it.
+a reason to replace it. CI sets ``PRUNOPT_REQUIRE_TEST_EXTRAS=1``: a test
+session then refuses to start when the extra does not import, so the zoo tests
+cannot pass by skipping.
 """
 import importlib.metadata as md
+import importlib.util
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -77,3 +81,21 @@ def test_no_requirement_of_the_test_extra_asks_for_another_torch():
     for req in torch_reqs:
         assert req.specifier.contains(torch_version, prereleases=True), \
             f"{req} would replace the installed torch {torch_version}"
+
+
+def test_ci_flag_refuses_a_session_without_the_test_extra(monkeypatch):
+    """With PRUNOPT_REQUIRE_TEST_EXTRAS=1 (set by .ci/run) a transformers that
+    does not import stops the session at its start, with the reason, instead of
+    the zoo tests being skipped; without the flag the session starts."""
+    spec = importlib.util.spec_from_file_location("_prunopt_root_conftest", os.path.join(ROOT, "tests", "conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    monkeypatch.setenv("PRUNOPT_REQUIRE_EXTENSION", "0")
+    monkeypatch.setenv("PRUNOPT_REQUIRE_TEST_EXTRAS", "0")
+    conftest.pytest_sessionstart(None)
+    monkeypatch.setenv("PRUNOPT_REQUIRE_TEST_EXTRAS", "1")
+    with pytest.raises(RuntimeError, match="PRUNOPT_REQUIRE_TEST_EXTRAS.*transformers"):
+        conftest.pytest_sessionstart(None)
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "export PRUNOPT_REQUIRE_TEST_EXTRAS=1" in f.read()

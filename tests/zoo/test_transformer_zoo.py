@@ -16,7 +16,8 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from _zoo import bert, gpt2, logits, tokens  # noqa: E402
-from prunopt.nn import apply_probmask, finalize_probmask, probmask_modules, probmask_scores  # noqa: E402
+from prunopt.nn import (apply_probmask, finalize_probmask, probmask_modules, probmask_scores,  # noqa: E402
+                        remove_channels)
 from prunopt.optim import BudgetProjection, PrunAdag  # noqa: E402
 from prunopt.pruning import (  # noqa: E402
     DynamicSparseTraining,
@@ -182,6 +183,27 @@ def test_probmask_on_gpt2_tied_head_is_a_clear_error():
     assert not any(n.endswith("parametrizations") for n, _ in model.named_modules())
 
 
+def test_remove_channels_shrinks_bert_feed_forward_layers():
+    """BERT's linear layers read the last dimension of (B, L, C) activations:
+    with nothing exactly zero the copy keeps every layer's size; hidden
+    feed-forward features whose rows (weights and bias) are zero go, with the
+    matching inputs of the layer that reads them, and the outputs stay."""
+    model = bert().eval()
+    x = tokens()
+    same = remove_channels(model, example_input=x)
+    assert sum(p.numel() for p in same.parameters()) == sum(p.numel() for p in model.parameters())
+    _close(logits(same(x)), logits(model(x)))
+    with torch.no_grad():
+        for layer, rows in zip(model.bert.encoder.layer, ([0, 5, 9], list(range(0, 64, 2)))):
+            layer.intermediate.dense.weight[rows] = 0.0
+            layer.intermediate.dense.bias[rows] = 0.0
+    small = remove_channels(model, example_input=x)
+    for layer, n in zip(small.bert.encoder.layer, (61, 32)):
+        assert layer.intermediate.dense.out_features == layer.output.dense.in_features == n
+        assert layer.attention.self.query.in_features == 32  # the residual stream keeps its width
+    _close(logits(small(x)), logits(model(x)))
+
+
 # ------------------------------------------------------------------------------ Trainer
 def _args(out, steps, save_steps=None):
     return TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, report_to=[],
@@ -197,21 +219,29 @@ def _prunadag(model):
     return opt, sched
 
 
-def _rows(n, same=False):
-    """Language-model rows. The first label is ignored (-100): it is never a
-    prediction target, and so the token count the Trainer normalises the loss
-    by is the same whether it counts the labels before or after the shift."""
-    rows = [tokens(1, 8, seed=0 if same else i)[0] for i in range(n)]
-    return [{"input_ids": r, "labels": torch.cat([torch.tensor([-100]), r[1:]])} for r in rows]
+def _rows(kind, n, same=False):
+    """Training rows. GPT-2: language-model rows whose first label is ignored
+    (-100): it is never a prediction target, and so the token count the
+    Trainer normalises the loss by is the same whether it counts the labels
+    before or after the shift. BERT: a sequence and its class."""
+    ids = [tokens(1, 8, seed=0 if same else i)[0] for i in range(n)]
+    if kind == "gpt2":
+        return [{"input_ids": r, "labels": torch.cat([torch.tensor([-100]), r[1:]])} for r in ids]
+    return [{"input_ids": r, "labels": r[0] % 3} for r in ids]
 
 
-def test_prunadag_in_the_trainer_matches_a_plain_loop(tmp_path):
-    data = _rows(6, same=True)  # one batch repeated: the Trainer's sampling order does not matter
-    model = gpt2()
+TRAINER_MODELS = {"gpt2": gpt2, "bert": bert}
+
+
+@pytest.mark.parametrize("kind", sorted(TRAINER_MODELS))
+def test_prunadag_in_the_trainer_matches_a_plain_loop(tmp_path, kind):
+    build = TRAINER_MODELS[kind]
+    data = _rows(kind, 6, same=True)  # one batch repeated: the Trainer's sampling order does not matter
+    model = build()
     opt, sched = _prunadag(model)
     Trainer(model=model, args=_args(str(tmp_path), 3), train_dataset=data, optimizers=(opt, sched)).train()
 
-    ref = gpt2()
+    ref = build()
     ref.train()
     ropt, rsched = _prunadag(ref)
     batch = {k: torch.stack([r[k] for r in data[:2]]) for k in data[0]}
@@ -225,30 +255,34 @@ def test_prunadag_in_the_trainer_matches_a_plain_loop(tmp_path):
     assert float(opt.state[next(model.parameters())]["step"]) == 3
 
 
-def test_trainer_checkpoint_resume_continues_exactly(tmp_path):
-    data = _rows(8)
+@pytest.mark.parametrize("kind", sorted(TRAINER_MODELS))
+def test_trainer_checkpoint_resume_continues_exactly(tmp_path, kind):
+    """A run saved at step 2 of 4 and resumed from that checkpoint (into a
+    model built with other weights) ends where the uninterrupted run ends:
+    parameters, optimizer state and scheduler, bit for bit."""
+    build = TRAINER_MODELS[kind]
+    data = _rows(kind, 8)
     out = str(tmp_path / "run")
-    model = gpt2()
+    model = build()
     opt, sched = _prunadag(model)
     Trainer(model=model, args=_args(out, 4, save_steps=2), train_dataset=data, optimizers=(opt, sched)).train()
     ckpt = os.path.join(out, "checkpoint-2")
     assert os.path.exists(os.path.join(ckpt, "optimizer.pt"))
 
-    resumed = gpt2(seed=1)  # other weights: they must come from the checkpoint
+    resumed = build(seed=1)  # other weights: they must come from the checkpoint
     ropt, rsched = _prunadag(resumed)
     Trainer(model=resumed, args=_args(out, 4), train_dataset=data, optimizers=(ropt, rsched)).train(
         resume_from_checkpoint=ckpt)
     for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=0, rtol=0, msg=n)
-    p0 = next(model.parameters())
-    q0 = next(resumed.parameters())
-    for key in ("sum", "decrease_sum", "step"):
-        torch.testing.assert_close(ropt.state[q0][key], opt.state[p0][key], atol=0, rtol=0)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        for key in ("sum", "decrease_sum", "step"):
+            torch.testing.assert_close(ropt.state[q][key], opt.state[p][key], atol=0, rtol=0)
     assert rsched.last_epoch == sched.last_epoch == 4
 
     # the optimizer state matters: resuming without it does not continue the run
     os.remove(os.path.join(ckpt, "optimizer.pt"))
-    cold = gpt2(seed=1)
+    cold = build(seed=1)
     copt, csched = _prunadag(cold)
     Trainer(model=cold, args=_args(str(tmp_path / "cold"), 4), train_dataset=data,
             optimizers=(copt, csched)).train(resume_from_checkpoint=ckpt)
