@@ -516,32 +516,26 @@ def _select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = 
 # passes on the CPU; on CUDA the radix passes choose on the device, without the
 # bracket's host reads)
 _BRACKET_DEVICES = frozenset({"cpu"})
-# margin of the local order statistics around each rank's share of k, in
-# standard deviations of a binomial count (and at least _BRACKET_MIN elements)
-_BRACKET_SIGMAS = 4.0
-_BRACKET_MIN = 64
-
-
 def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
     """The sharded select through a bracket of the threshold that holds it by
     construction, so that only the elements inside it enter the radix passes.
 
     1. one ``all_reduce``: the global ``n`` (and the agreement on ``k`` and the
-       dtype), so each rank knows its share ``f n_r`` of ``k`` (``f = k / n``);
-    2. each rank takes two exact local order statistics with the fused op,
-       ``hi_r`` at rank ``k_hi = floor(f n_r - m)`` (fewer than ``k_hi``
-       elements lie above it) and ``lo_r`` at ``k_lo = ceil(f n_r + m)`` (at
-       least ``k_lo`` lie at or above it); one ``all_reduce`` (max) of
-       ``hi = max hi_r``, ``lo = min lo_r`` and a non-finite flag. Then fewer
-       than ``sum k_hi <= k`` elements exceed ``hi`` and at least
-       ``sum k_lo >= k`` reach ``lo``: the ``k``-th largest lies in ``[lo, hi]``
-       whatever the data;
-    3. one ``all_reduce``: how many exceed ``hi`` and how many lie in
-       ``[lo, hi]`` (the candidates, kept locally);
-    4. the radix select of the ``(k - above)``-th largest among the candidates
-       (its 3-6 passes on a few elements per rank).
+       dtype), so each rank knows its share of ``k``, ``s_r = ceil(k n_r / n)``
+       (``sum s_r < k + W``);
+    2. each rank takes the exact ``s_r``-th largest of its own ``|v|``,
+       ``t_r``, with the fused one-process op; one ``all_reduce`` (max) gives
+       ``hi = max t_r``, ``lo = min t_r`` and a non-finite flag. At most
+       ``s_r - 1`` of a rank's values exceed ``t_r``, so fewer than
+       ``sum (s_r - 1) < k`` exceed ``hi``; at least ``s_r`` reach ``t_r``, so
+       at least ``sum s_r >= k`` reach ``lo``: the ``k``-th largest lies in
+       ``[lo, hi]`` whatever the data;
+    3. ``prunopt.ops.topk_bracket`` (one fused pass) counts the values above
+       ``hi`` and keeps the candidates inside ``[lo, hi]``;
+    4. the radix select of the ``(k - above)``-th largest among the candidates,
+       whose first pass also sums the counts of step 3.
     The bracket only saves work; its width depends on how alike the ranks'
-    data are (all of a rank's elements become candidates at worst)."""
+    data are (at worst all of a rank's elements are candidates)."""
     dtype, device = local[0].dtype, local[0].device
     spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
@@ -560,20 +554,16 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     n = int(meta[0])
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
-    # 2) the local order statistics around this rank's share of k
-    share = k * n_r / n
-    margin = max(_BRACKET_MIN, _BRACKET_SIGMAS * math.sqrt(share))
-    k_hi = max(0, min(n_r, math.floor(share - margin)))
-    k_lo = max(0, min(n_r, math.ceil(share + margin)))
-    bad = 0.0
-    hi_r, lo_r = -1.0, math.inf  # an empty rank bounds nothing
+    # 2) this rank's order statistic at its share of k (exact integers)
+    share = -((-k * n_r) // n)
+    bad, t_r = 0.0, None
     if n_r:
         try:
-            hi_r = float(_topk_threshold_one(keys, max(k_hi, 1)))  # k_hi = 0: the largest (nothing above it)
-            lo_r = float(_topk_threshold_one(keys, max(k_lo, 1)))
+            t_r = float(_topk_threshold_one(keys, share))
         except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
             bad = 1.0
-    ext = torch.tensor([bad, hi_r, -lo_r], dtype=torch.float64)
+    ext = torch.tensor([bad, -math.inf if t_r is None else t_r, -math.inf if t_r is None else -t_r],
+                       dtype=torch.float64)
     for g in plan.groups:
         dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=g)
     bad, hi, lo = float(ext[0]), float(ext[1]), -float(ext[2])
@@ -581,17 +571,14 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
         if nonfinite_is_none:
             return None
         raise ValueError("values contain a non-finite value (on at least one rank)")
-    # 3) above the bracket, and the candidates inside it (chunk by chunk: small temporaries)
+    # 3) above the bracket, and the candidates inside it (one fused pass)
+    above, cands = 0, [torch.empty(0, dtype=dtype, device=device)]
     if keys:
-        above, inside = _topk_bracket(keys, lo, hi)  # one fused pass
-        cands = [inside]
-    else:
-        above, cands = torch.zeros((), dtype=torch.int64), [torch.empty(0, dtype=dtype, device=device)]
-    counts = _all_reduce(above.reshape(1).to(torch.int64), plan.groups)
-    k_in = k - int(counts[0])
-    # 4) the radix select among the candidates (the same collectives on every rank)
+        count, inside = _topk_bracket(keys, lo, hi)
+        above, cands = int(count), [inside]
+    # 4) the radix select among the candidates (its first pass sums the counts)
     inner = _Plan(cands, [True] * len(cands), plan.groups, plan.world)
-    return _radix_select(cands, inner, k_in)
+    return _radix_select(cands, inner, k, above=above)
 
 
 def _topk_threshold_or_none(values: List[Tensor], k: int, group: Group = None) -> Optional[Tensor]:
@@ -607,10 +594,14 @@ def _topk_threshold_or_none(values: List[Tensor], k: int, group: Group = None) -
     return _select(plan.locals, plan, k, nonfinite_is_none=True)
 
 
-def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
+def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False,
+                  above: Optional[int] = None) -> Optional[Tensor]:
     """The sharded radix select of :func:`topk_threshold` on checked local
     tensors (with ``plan.groups`` empty it runs in one process: the tests use
-    that to compare it with the one-process op on many inputs)."""
+    that to compare it with the one-process op on many inputs). With
+    ``above`` (this rank's count of elements known to rank above all of
+    ``local``, e.g. above a bracket) the first pass also sums it, and the
+    ``(k - total above)``-th largest of ``local`` is selected."""
     dtype, device = local[0].dtype, local[0].device
     spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1).view(spec.int_dtype) for v, c in zip(local, plan.counted) if c and v.numel()]
@@ -619,21 +610,25 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: b
     # Pass 1: the top digit of every element, and what every rank must agree on.
     w0 = spec.widths[0]
     shift = spec.nbits - w0
-    vec = torch.zeros((1 << _HIST0_BITS) + _META, dtype=torch.int64, device=device)
+    extra = 0 if above is None else 1
+    vec = torch.zeros((1 << _HIST0_BITS) + _META + extra, dtype=torch.int64, device=device)
     top = _TopDigit(keys, shift, w0, chunked=compact)
     vec[:1 << w0] = top.histogram()
     k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
     meta = [sum(b.numel() for b in keys)] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2]
+    meta += [] if above is None else [above]
     for j, m in enumerate(meta):
         vec[(1 << _HIST0_BITS) + j].fill_(m)
     _all_reduce(vec, plan.groups)
     tail = vec[spec.nonfinite_digit:].tolist()  # the one read back (host sync on CUDA)
-    meta = tail[-_META:]
+    meta = tail[len(tail) - _META - extra:]
     if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
         raise ValueError("values must have one dtype on every rank")
     if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
         raise ValueError(f"k must be the same on every rank, got {k} on this one")
     n = int(meta[0])
+    if above is not None:
+        k -= int(meta[_META])
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
     if sum(tail[:(1 << w0) - spec.nonfinite_digit]):
