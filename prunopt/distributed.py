@@ -66,6 +66,7 @@ __all__ = [
     "process_group_of",
     "is_replicated",
     "counts_locally",
+    "sum_over_shards",
 ]
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
@@ -329,6 +330,39 @@ def global_numel(tensors: TensorOrList, group: Group = None) -> int:
     device = next((loc.device for loc in plan.locals), None) or _default_device(plan.groups)
     vec = torch.full((1,), local, dtype=torch.int64, device=device)
     return int(_all_reduce(vec, plan.groups).item()) + dtensors
+
+
+def sum_over_shards(local_sum: Tensor, like: Tensor) -> Tensor:
+    """The sum over a whole tensor from this rank's part of it, differentiably.
+
+    ``local_sum`` is computed from the local shard of ``like`` (for example
+    ``(f(local_tensor(w)) ** 2).sum()`` for a DTensor parameter ``w``); the
+    result is the sum over every shard, a plain tensor with the same value on
+    every rank (one ``all_reduce`` per sharded mesh dimension). Its gradient
+    reaches each rank's shard once, unscaled: a loss that adds the result on
+    every rank back-propagates into each shard the gradient of the global
+    sum, as the one-process sum would. On a mesh dimension where ``like`` is
+    replicated, every rank's ``local_sum`` already is the sum over that
+    dimension and is taken as it is. For a plain ``like`` (one process, DDP)
+    ``local_sum`` itself is returned. Regularisers that read sharded
+    parameters outside the forward pass (FSDP2 reshards them after it) are
+    summed with this.
+
+    Built on DTensor: ``local_sum`` becomes a ``Partial`` DTensor on the
+    sharded mesh dimensions and is redistributed to ``Replicate``; the
+    backward of that redistribution passes the gradient through unchanged.
+    ``like`` with a ``Partial`` placement is a ``ValueError``."""
+    if not isinstance(local_sum, Tensor) or is_distributed_tensor(local_sum):
+        raise TypeError(f"local_sum must be a plain tensor (this rank's part), got {type(local_sum).__name__}")
+    if not is_distributed_tensor(like):
+        if not isinstance(like, Tensor):
+            raise TypeError(f"like must be a Tensor, got {type(like).__name__}")
+        return local_sum
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    kinds = _placement_kinds(like, "like")
+    placements = [Partial() if k == "shard" else Replicate() for k in kinds]
+    return DTensor.from_local(local_sum, like.device_mesh, placements, run_check=False).full_tensor()
 
 
 def _limbs(value: int, count: int, bits: int) -> List[int]:

@@ -101,7 +101,9 @@ class TwoTemperatureMask(nn.Module):
         return bool(self.frozen)
 
     def relaxed_mask(self) -> Tensor:
-        """v = sigmoid(t_l w) with the t_s backward (eq. 6-7)."""
+        """v = sigmoid(t_l w) with the t_s backward (eq. 6-7). (For logits
+        sharded by FSDP2, outside the forward pass, :func:`mask_regularizer`
+        works on the local shards.)"""
         return two_temperature_sigmoid(self.w, self.t_l, self.t_s)
 
     def binary_mask(self) -> Tensor:
@@ -226,20 +228,54 @@ def two_temperature_masks(model: nn.Module) -> List[TwoTemperatureMask]:
 
 def mask_regularizer(masks: Sequence[TwoTemperatureMask], gamma: float) -> Tensor:
     r""":math:`\gamma \sum_l \|v_l\|_2^2` over the relaxed masks (AP eq. 13's penalty),
-    through the two-temperature backward. Frozen masks contribute nothing."""
+    through the two-temperature backward. Frozen masks contribute nothing.
+
+    Mask logits sharded by FSDP2 (DTensors, as they are outside the forward
+    pass) are summed over the whole tensors: each rank squares its shard's
+    relaxed mask and the partial sums are added over the ranks
+    (:func:`prunopt.distributed.sum_over_shards`), so every rank gets the
+    same penalty and each shard the gradient of the global one."""
+    from prunopt.distributed import is_distributed_tensor, local_tensor, sum_over_shards
+
     if not math.isfinite(gamma) or gamma < 0:
         raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
     live = [m for m in masks if not m._is_frozen()]
     if not live:
         return torch.zeros(())
-    return gamma * sum((m.relaxed_mask() ** 2).sum() for m in live)
+    terms = []
+    for m in live:
+        if is_distributed_tensor(m.w):
+            v = two_temperature_sigmoid(local_tensor(m.w), m.t_l, m.t_s)
+            terms.append(sum_over_shards((v ** 2).sum(), m.w))
+        else:
+            terms.append((m.relaxed_mask() ** 2).sum())
+    return gamma * sum(terms)
+
+
+def _kept_counts(masks: Sequence[TwoTemperatureMask]) -> List[int]:
+    """Per layer, the number of entries with ``w > 0`` in the whole tensor:
+    for FSDP2 shards (DTensors) the local counts summed over the ranks in one
+    ``all_reduce``; a plain tensor among DTensors is taken as replicated and
+    counted once."""
+    from prunopt.distributed import all_reduce_sum, counts_locally, is_distributed_tensor, local_tensor, \
+        process_group_of
+
+    ws = [m.w.detach() for m in masks]
+    sharded = [w for w in ws if is_distributed_tensor(w)]
+    if not sharded:
+        return [int((w > 0).sum()) for w in ws]
+    first = all(c == 0 for c in sharded[0].device_mesh.get_coordinate())
+    local = [int((local_tensor(w) > 0).sum()) if (counts_locally(w) if is_distributed_tensor(w) else first) else 0
+             for w in ws]
+    return [int(v) for v in all_reduce_sum(local, group=process_group_of(sharded)).tolist()]
 
 
 @torch.no_grad()
 def mask_density(masks: Sequence[TwoTemperatureMask]) -> float:
-    """Fraction of ones in the final masks 1[w > 0] over all layers."""
+    """Fraction of ones in the final masks 1[w > 0] over all layers (over the
+    whole tensors for FSDP2 shards: the same value on every rank)."""
     total = sum(m.w.numel() for m in masks)
-    return sum(int((m.w > 0).sum()) for m in masks) / max(total, 1)
+    return sum(_kept_counts(masks)) / max(total, 1)
 
 
 def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float) -> bool:
@@ -257,8 +293,9 @@ def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float
 @torch.no_grad()
 def layer_densities(masks: Sequence[TwoTemperatureMask]) -> List[float]:
     """Density of 1[w > 0] per layer (the paper's Table 1 layerwise profile);
-    NaN for a layer without weights (0 elements), whose density is undefined."""
-    return [float((m.w > 0).double().mean()) if m.w.numel() else math.nan for m in masks]
+    NaN for a layer without weights (0 elements), whose density is undefined.
+    Over the whole tensors for FSDP2 shards."""
+    return [k / m.w.numel() if m.w.numel() else math.nan for k, m in zip(_kept_counts(masks), masks)]
 
 
 @torch.no_grad()

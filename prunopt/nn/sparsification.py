@@ -135,6 +135,14 @@ def _solve_half_gates(n: int, dtype: torch.dtype, device) -> Tuple[Tensor, Tenso
     return _key_float(a_key, dtype), _key_float(key, dtype)
 
 
+def _whole(t: Tensor) -> Tensor:
+    """``t.full_tensor()`` for a DTensor (differentiable: each shard gets its
+    block of the gradient), else ``t``."""
+    from prunopt.distributed import is_distributed_tensor
+
+    return t.full_tensor() if is_distributed_tensor(t) else t
+
+
 class SparseGate(nn.Module):
     r"""Gates :math:`a \in \mathbb{R}^n` of one competition group (DS eq. 9-12).
 
@@ -155,6 +163,13 @@ class SparseGate(nn.Module):
 
     ``rgf=True`` uses the elu(``rgf_alpha``) surrogate gradient of eq. 15 so
     that dropped components keep learning. Calling the module returns ``a``.
+
+    Called outside an FSDP2 forward, where ``alpha`` is a DTensor shard (a
+    regulariser, :func:`gate_density`), the gate gathers ``alpha`` whole
+    (``full_tensor``, one value per gate; differentiable) and returns a plain
+    tensor, the same on every rank. ``beta`` is 0-dim, which ``fully_shard``
+    does not shard: leave it out (``ignored_params``) and average its
+    gradient over the ranks, as ``prunopt train --fsdp`` does.
     """
 
     __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
@@ -212,7 +227,12 @@ class SparseGate(nn.Module):
         self.beta.fill_(b.item())
 
     def forward(self) -> Tensor:
-        return sparse_gate(self.alpha, self.beta, signed=self.signed, rgf=self.rgf, rgf_alpha=self.rgf_alpha)
+        alpha, beta = self.alpha, self.beta
+        # Outside an FSDP2 forward the parameters are DTensor shards: every gate depends on the
+        # whole ||alpha||_1, so the (one value per channel) vector is gathered, differentiably
+        alpha = _whole(alpha)
+        beta = _whole(beta)
+        return sparse_gate(alpha, beta, signed=self.signed, rgf=self.rgf, rgf_alpha=self.rgf_alpha)
 
     def extra_repr(self) -> str:
         return f"{self.num_gates}, signed={self.signed}, rgf={self.rgf}"
