@@ -15,12 +15,21 @@ a :class:`Job`, which hides how the run is laid out:
   BatchNorm statistics are per rank during a step, as in plain DDP, and
   rank 0's running statistics are broadcast after every epoch, so every rank
   evaluates the same model on the full test set and they all agree; the job
-  checks at the end that they hold the same weights. Rank 0 alone writes and
-  prints.
+  checks at the end that they hold the same weights (under ``--fsdp``: the
+  same buffers, masks among them, and parameters left whole). Rank 0 alone
+  writes and prints.
+* **Sharded models** (``--fsdp``). :meth:`Job.prepare` shards the model with
+  FSDP2 after the method's transformations; optimizers, projections and
+  pruning methods that keep parameters are built after it. A transformation
+  between phases (masks on a pre-trained network, a layer conversion) is
+  applied to :meth:`Job.plain_copy` of the trained model, which is then
+  prepared in its turn.
 * **Checkpoints.** With ``--out`` the job writes ``resume.pt`` into the run's
   staging directory after every epoch (``--checkpoint-every N``: every N-th):
   every tracked object's state, every rank's RNG states (torch, Python,
-  NumPy), the values and the history so far.
+  NumPy), the values and the history so far. Sharded models and their
+  optimizers are saved whole; other state holding shards (a lottery ticket's
+  rewind snapshot, an optimizer group) is saved as every rank's part.
 * **Exact resume** (``--resume``). The method's code runs again from the
   start in *replay*: every ``job.epochs(...)`` loop before the checkpoint's
   phase is empty, so the code between phases only rebuilds the same objects
@@ -229,6 +238,64 @@ def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(model.get_submodule(owner) if owner else model, attr, value)
 
 
+#: key of a checkpointed state that holds every rank's own part (a list in rank order)
+_PER_RANK = "per_rank"
+_SHARD = "dtensor_local_shard"
+
+
+def _has_dtensor(obj) -> bool:
+    if _is_dtensor(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_dtensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dtensor(v) for v in obj)
+    return False
+
+
+def _placement_code(p) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(p, Shard) and type(p) is Shard:
+        return ["shard", int(p.dim)]
+    if isinstance(p, Replicate):
+        return ["replicate"]
+    raise NotImplementedError(f"checkpointing a DTensor placed {p!r} is not supported (Shard and Replicate only)")
+
+
+def _encode_shards(obj):
+    """``obj`` with every DTensor replaced by a plain dict of its local shard
+    (on the CPU) and layout, which ``torch.load(weights_only=True)`` reads."""
+    if _is_dtensor(obj):
+        return {_SHARD: obj.to_local().detach().cpu().clone(), "placements": [_placement_code(p) for p in obj.placements],
+                "shape": list(obj.shape), "stride": list(obj.stride()), "requires_grad": bool(obj.requires_grad)}
+    if isinstance(obj, dict):
+        return type(obj)((k, _encode_shards(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_encode_shards(v) for v in obj)
+    return obj
+
+
+def _decode_shards(obj, mesh):
+    """Inverse of :func:`_encode_shards` on ``mesh`` (the job's device mesh)."""
+    if isinstance(obj, dict) and _SHARD in obj:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if mesh is None:
+            raise RuntimeError("the checkpoint holds sharded state but this job has no sharded model")
+        placements = [Shard(c[1]) if c[0] == "shard" else Replicate() for c in obj["placements"]]
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device(mesh.device_type)
+        t = DTensor.from_local(obj[_SHARD].to(device), mesh, placements, run_check=False,
+                               shape=torch.Size(obj["shape"]), stride=tuple(obj["stride"]))
+        return t.requires_grad_(obj["requires_grad"]) if obj["requires_grad"] else t
+    if isinstance(obj, dict):
+        return type(obj)((k, _decode_shards(v, mesh)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_decode_shards(v, mesh) for v in obj)
+    return obj
+
+
 class Job:
     """One ``prunopt train`` run as the method code sees it (module docstring).
 
@@ -263,6 +330,7 @@ class Job:
         self._prepared: Dict[int, tuple] = {}
         self._skeletons: Dict[int, nn.Module] = {}
         self._whole: Dict[int, List[nn.Parameter]] = {}  # parameters FSDP2 leaves whole
+        self._mesh = None  # the device mesh of the sharded models (--fsdp)
         self.checkpoints_written = 0
         seed_everything(args.seed)
 
@@ -330,9 +398,20 @@ class Job:
             return obj.get_state()
         if isinstance(obj, dict):
             return copy.deepcopy(obj)
-        return self.state_dict(obj)
+        state = self.state_dict(obj)
+        if self.dist.active and _has_dtensor(state):
+            # state holding this rank's shards (under --fsdp: a lottery ticket's rewind snapshot, the
+            # optimizers of an OptimizerGroup): every rank's part, each rank restores its own
+            return {_PER_RANK: self.dist.all_gather(_encode_shards(state))}
+        return state
 
     def _load_object(self, name: str, obj, state) -> None:
+        if isinstance(state, dict) and _PER_RANK in state:
+            parts = state[_PER_RANK]
+            if len(parts) != self.world_size:
+                raise RuntimeError(f"the checkpoint holds {len(parts)} ranks' state of {name!r}, this job has "
+                                   f"{self.world_size} ranks")
+            state = _decode_shards(parts[self.rank], self._mesh)
         if isinstance(obj, torch.Generator):
             obj.set_state(state)
         elif isinstance(obj, dict):
@@ -467,6 +546,7 @@ class Job:
                     if any(True for _ in child.parameters()):
                         fully_shard(child, ignored_params=whole)
                 fully_shard(model, ignored_params=whole)
+            self._mesh = next((p.device_mesh for p in model.parameters() if _is_dtensor(p)), self._mesh)
             wrapper = model
         elif self.dist.active:
             from torch.nn.parallel import DistributedDataParallel
@@ -587,9 +667,8 @@ class Job:
         grads = [p.grad for p in whole if p.grad is not None]  # the same parameters on every rank
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)  # divided first, as DDP does
         dist.all_reduce(flat)
-        flat.div_(self.world_size)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 
