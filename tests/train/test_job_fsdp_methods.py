@@ -101,32 +101,19 @@ def _model(folder):
     return torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=False)["model"]
 
 
-#: methods whose --fsdp run waits for library support that is not merged yet: PrunAdag on DTensor
-#: (FSDP2-sharded) parameters; until then PrunAdag refuses them with a ValueError
-PENDING = {"prunadag": "PrunAdag does not support DTensor"}
-
-
-def _param(name):
-    pending = name in PENDING
-    return pytest.param(name, marks=pytest.mark.xfail(pending, reason="PrunAdag on FSDP2 parameters: pending on main",
-                                                      strict=True))
-
-
 def test_every_run_finished(distributed):
     r, cwd, lines = distributed
-    failed = {n: ln for n, ln in lines.items() if ln.startswith("failed: ")}
-    pending = {n for n, ln in failed.items() if n.startswith("fsdp-") and n[5:] in PENDING and PENDING[n[5:]] in ln}
-    assert set(failed) == pending, [failed[n] for n in sorted(set(failed) - pending)]
-    assert r.returncode == (1 if pending else 0), r.stderr[-3000:]
+    failed = [ln for ln in lines.values() if ln.startswith("failed: ")]
+    assert not failed and r.returncode == 0, failed or r.stderr[-3000:]
     assert "it/s" not in r.stderr  # no progress bar from any rank
-    assert sorted(os.listdir(cwd)) == sorted(set(lines) - pending)  # rank 0 wrote every run, no staging left
-    for name in set(lines) - pending:
+    assert sorted(os.listdir(cwd)) == sorted(lines)  # rank 0 wrote every run, no staging left
+    for name in lines:
         assert _fields(lines[name])["world_size"] == "2"
         assert sorted(os.listdir(cwd / name)) == ["checkpoint.pt", "history.png", "run.json", "summary.json"]
         assert read_json(cwd / name / "run.json")["world_size"] == 2
 
 
-@pytest.mark.parametrize("name", [_param(n) for n, (_, ghost) in RUNS.items() if ghost])
+@pytest.mark.parametrize("name", [n for n, (_, ghost) in RUNS.items() if ghost])
 def test_fsdp_equals_ddp(name, distributed):
     """The sharded run computes what the replicated run computes on the same
     per-rank batches: the same summary line and the same weights, up to the
@@ -148,7 +135,7 @@ def test_fsdp_equals_ddp(name, distributed):
 ACCURACY_TOLERANCE = 0.05
 
 
-@pytest.mark.parametrize("name", [_param(n) for n, (_, ghost) in RUNS.items() if ghost])
+@pytest.mark.parametrize("name", [n for n, (_, ghost) in RUNS.items() if ghost])
 def test_fsdp_equals_the_one_process_run_to_rounding(name, distributed, one_process):
     """With ghost batch norms the run is the one-process run up to rounding:
     the weights agree to about 1e-7 until a rounding difference flips a
@@ -196,15 +183,16 @@ def test_ds_fsdp_like_ddp_and_comparable_to_one_process(distributed, one_process
 
 # ------------------------------------------------------------ resume under --fsdp
 @pytest.mark.slow
-@pytest.mark.parametrize("method,after", [("lt", 2), ("ds", 3)])
-def test_fsdp_run_resumes_bit_exactly(method, after, tmp_path):
+@pytest.mark.parametrize("method,after,more", [("lt", 2, []), ("ds", 3, []), ("prunadag", 1, ["--epochs", "2"])])
+def test_fsdp_run_resumes_bit_exactly(method, after, more, tmp_path):
     """State that holds shards outside the model and its optimizer (the
     lottery ticket's rewind snapshot; ds's SGD + Adam group) is checkpointed
-    as every rank's part, and a resumed run rebuilds its plain copies (ds's
-    gated batch norms) before loading: killed after checkpoint ``after`` (lt:
-    in its third training; ds: in its gate phase) and resumed, the run ends
-    as the uninterrupted one, bit for bit."""
-    argv = _argv(method, "--fsdp")[1:]  # without "train"
+    as every rank's part, a resumed run rebuilds its plain copies (ds's gated
+    batch norms) before loading, and PrunAdag's sharded state goes through the
+    full optimizer state dict: killed after checkpoint ``after`` (lt: in its
+    third training; ds: in its gate phase; prunadag: after its first epoch)
+    and resumed, the run ends as the uninterrupted one, bit for bit."""
+    argv = _argv(method, "--fsdp", *more)[1:]  # without "train"
     launch = torchrun_prefix(2) + ["-m", "prunopt", "train"]
     whole = run_child(launch + argv + ["--out", "whole"], cwd=str(tmp_path))
     assert whole.returncode == 0, whole.stderr[-3000:]
