@@ -267,7 +267,8 @@ def _encode_shards(obj):
     """``obj`` with every DTensor replaced by a plain dict of its local shard
     (on the CPU) and layout, which ``torch.load(weights_only=True)`` reads."""
     if _is_dtensor(obj):
-        return {_SHARD: obj.to_local().detach().cpu().clone(), "placements": [_placement_code(p) for p in obj.placements],
+        return {_SHARD: obj.to_local().detach().cpu().clone(),
+                "placements": [_placement_code(p) for p in obj.placements],
                 "shape": list(obj.shape), "stride": list(obj.stride()), "requires_grad": bool(obj.requires_grad)}
     if isinstance(obj, dict):
         return type(obj)((k, _encode_shards(v)) for k, v in obj.items())
@@ -540,8 +541,8 @@ class Job:
                 from torch.distributed.fsdp import fully_shard
 
                 self._skeletons[id(model)] = _meta_copy(model)
-                whole = {p for p in model.parameters() if p.dim() == 0}
-                self._whole[id(model)] = [p for p in model.parameters() if p in whole]
+                self._whole[id(model)] = [p for p in model.parameters() if p.dim() == 0]
+                whole = set(self._whole[id(model)])
                 for child in model.children():
                     if any(True for _ in child.parameters()):
                         fully_shard(child, ignored_params=whole)
