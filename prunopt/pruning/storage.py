@@ -52,9 +52,10 @@ def pruning_rates(target: Union[Masker, nn.Module]) -> Dict[str, float]:
     equivalent standard network (``C_out C_in/groups kh kw`` for an FB layer,
     whatever its dictionary size ``N``; a tied tensor counts once).  For a model
     without FB layers ``p_IP = p_SP``.  Counts run over the global tensors for
-    FSDP2 shards (local counts summed over the ranks: a collective).  Returns ``{"p_sp", "p_ip", "D",
-    "nonzero", "basis_nonzero"}``.  A target without prunable tensors, or whose
-    prunable tensors are all empty, is a ``ValueError``."""
+    FSDP2 shards (local counts summed over the ranks: a collective).  Returns
+    ``{"p_sp", "p_ip", "D", "nonzero", "basis_nonzero"}``.  A target without
+    prunable tensors, or whose prunable tensors are all empty, is a
+    ``ValueError``."""
     tensors = _tensors(target)
     with torch.no_grad():
         # over the global tensors for FSDP2 shards (a DTensor's count_nonzero would be this rank's part)

@@ -63,6 +63,16 @@ def test_without_process_group_the_ops_are_the_one_process_ops():
     assert not D.is_distributed_tensor(xs[0]) and not D.is_replicated(xs[0]) and D.counts_locally(xs[0])
 
 
+def test_sum_over_shards_of_a_plain_tensor_is_the_local_sum():
+    w = torch.randn(4, 3, requires_grad=True)
+    s = (w ** 2).sum()
+    assert D.sum_over_shards(s, w) is s  # one process / DDP: nothing to add
+    with pytest.raises(TypeError, match="local_sum must be a plain tensor"):
+        D.sum_over_shards(1.0, w)
+    with pytest.raises(TypeError, match="like must be a Tensor"):
+        D.sum_over_shards(s, [w])
+
+
 def test_argument_errors():
     x = torch.randn(10)
     with pytest.raises(TypeError, match="k must be an int"):

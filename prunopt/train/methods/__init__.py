@@ -22,9 +22,8 @@ Single values are checked by the options' argparse ``type=`` functions
 reason it cannot yet (then ``--fsdp`` with it is a usage error). Every
 registered method runs sharded: a method does under ``--fsdp`` what it does
 under DDP, its transformations applied before :meth:`Job.prepare` (or to a
-:meth:`Job.plain_copy` of a trained model), its
-optimizers built after it (docs/distributed.md, "prunopt train under
-torchrun").
+:meth:`Job.plain_copy` of a trained model), its optimizers built after it
+(docs/distributed.md, "prunopt train under torchrun").
 """
 from __future__ import annotations
 
