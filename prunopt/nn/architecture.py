@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from prunopt.nn._jit import script_unsupported
 from prunopt.ops import two_temperature_sigmoid
+from prunopt.validation import check_list, check_module, check_real
 
 __all__ = [
     "TwoTemperatureMask",
@@ -41,6 +42,7 @@ def _check_mask_args(t_l, t_s, init_scale) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+        check_real(v, name)  # (an int beyond the float range is a ValueError)
     t_s = t_l / 100.0 if t_s is None else t_s
     for name, v in (("t_l", t_l), ("t_s", t_s)):
         if not (math.isfinite(v) and v > 0):
@@ -82,7 +84,8 @@ class TwoTemperatureMask(nn.Module):
                  generator: Optional[torch.Generator] = None):
         super().__init__()
         if not isinstance(layer, (nn.Linear, nn.Conv2d)):
-            raise TypeError(f"TwoTemperatureMask wraps nn.Linear or nn.Conv2d, got {type(layer).__name__}")
+            raise TypeError(f"layer must be an nn.Linear or nn.Conv2d (TwoTemperatureMask wraps one), got "
+                            f"{type(layer).__name__}")
         _check_mask_args(t_l, t_s, init_scale)
         self.layer = layer
         self.t_l = float(t_l)
@@ -223,6 +226,7 @@ def wrap_two_temperature_masks(model: nn.Module, t_l: float = 1000.0, t_s: Optio
 
 def two_temperature_masks(model: nn.Module) -> List[TwoTemperatureMask]:
     """Every :class:`TwoTemperatureMask` of ``model``, in module order."""
+    check_module(model, "model")
     return [m for m in model.modules() if isinstance(m, TwoTemperatureMask)]
 
 
@@ -237,8 +241,8 @@ def mask_regularizer(masks: Sequence[TwoTemperatureMask], gamma: float) -> Tenso
     same penalty and each shard the gradient of the global one."""
     from prunopt.distributed import is_distributed_tensor, local_tensor, sum_over_shards
 
-    if not math.isfinite(gamma) or gamma < 0:
-        raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
+    masks = _masks(masks)
+    gamma = check_real(gamma, "gamma", 0.0)
     live = [m for m in masks if not m._is_frozen()]
     if not live:
         return torch.zeros(())
@@ -274,6 +278,7 @@ def _kept_counts(masks: Sequence[TwoTemperatureMask]) -> List[int]:
 def mask_density(masks: Sequence[TwoTemperatureMask]) -> float:
     """Fraction of ones in the final masks 1[w > 0] over all layers (over the
     whole tensors for FSDP2 shards: the same value on every rank)."""
+    masks = _masks(masks)
     total = sum(m.w.numel() for m in masks)
     return sum(_kept_counts(masks)) / max(total, 1)
 
@@ -281,8 +286,8 @@ def mask_density(masks: Sequence[TwoTemperatureMask]) -> float:
 def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float) -> bool:
     """Freezes every mask once the global sparsity of 1[w > 0] reaches
     ``target_sparsity`` (AP footnote 10); returns True when frozen."""
-    if not 0.0 <= target_sparsity <= 1.0:
-        raise ValueError(f"target_sparsity must be in [0, 1], got {target_sparsity}")
+    masks = _masks(masks)
+    target_sparsity = check_real(target_sparsity, "target_sparsity", 0.0, 1.0)
     if 1.0 - mask_density(masks) >= target_sparsity:
         for m in masks:
             m.freeze()
@@ -295,7 +300,14 @@ def layer_densities(masks: Sequence[TwoTemperatureMask]) -> List[float]:
     """Density of 1[w > 0] per layer (the paper's Table 1 layerwise profile);
     NaN for a layer without weights (0 elements), whose density is undefined.
     Over the whole tensors for FSDP2 shards."""
+    masks = _masks(masks)
     return [k / m.w.numel() if m.w.numel() else math.nan for k, m in zip(_kept_counts(masks), masks)]
+
+
+@torch.no_grad()
+def _masks(masks) -> List["TwoTemperatureMask"]:
+    """``masks`` as a list of TwoTemperatureMask (TypeError naming ``masks``)."""
+    return check_list(masks, "masks", TwoTemperatureMask, "TwoTemperatureMask modules")
 
 
 @torch.no_grad()
@@ -313,7 +325,8 @@ def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Seq
     random; the masks are frozen. Every density is checked (a real number in
     [0, 1]; for a layer without weights, which has nothing to draw, NaN as
     :func:`layer_densities` gives is accepted too) before any mask is changed."""
-    densities = layer_densities(masks) if densities is None else list(densities)
+    masks = _masks(masks)
+    densities = layer_densities(masks) if densities is None else check_list(densities, "densities", item="numbers")
     if len(densities) != len(masks):
         raise ValueError(f"densities has {len(densities)} entries for {len(masks)} masks")
     for i, (m, d) in enumerate(zip(masks, densities)):
@@ -335,6 +348,7 @@ def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Seq
 @torch.no_grad()
 def extract_architecture(masks: Sequence[TwoTemperatureMask]) -> List[Tensor]:
     """The selected sub-architecture: the boolean masks 1[w > 0] per layer."""
+    masks = _masks(masks)
     return [(m.w > 0).clone() for m in masks]
 
 
@@ -345,7 +359,8 @@ def apply_architecture(masks: Sequence[TwoTemperatureMask], architecture: Sequen
 
     Each entry of ``architecture`` is a tensor of its weight's shape, boolean or
     with values 0/1 only; all are checked before any mask is changed."""
-    architecture = list(architecture)
+    masks = _masks(masks)
+    architecture = check_list(architecture, "architecture", item="tensors")
     if len(architecture) != len(masks):
         raise ValueError(f"architecture has {len(architecture)} masks for {len(masks)} layers")
     for m, a in zip(masks, architecture):

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from prunopt.pruning import _dist
 from prunopt.pruning.masks import Masker, _distinct_tensors, prunable_tensors
+from prunopt.validation import SIZE_MAX
 
 __all__ = [
     "pruning_rates",
@@ -148,8 +149,11 @@ def from_csr(c: CSRTensor) -> Tensor:
 
 def mask_entropy_bits(p: float) -> float:
     """``S = -p log2 p - (1 - p) log2 (1 - p)`` bits per mask entry (eq. A.2)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p must be a real number in [0, 1], got {type(p).__name__}")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1], got {p}")
+    p = float(p)
     return sum(-q * math.log2(q) for q in (p, 1.0 - p) if q > 0.0)
 
 
@@ -159,8 +163,8 @@ def entropy_bound(p: float, value_bits: int = 32) -> float:
     eq. A.2; ``value_bits = 32`` for float32).  ``value_bits`` is an int >= 1."""
     if isinstance(value_bits, bool) or not isinstance(value_bits, numbers.Integral):
         raise TypeError(f"value_bits must be an int, got {type(value_bits).__name__}")
-    if value_bits < 1:
-        raise ValueError(f"value_bits must be >= 1, got {value_bits}")
+    if not 1 <= value_bits <= SIZE_MAX:
+        raise ValueError(f"value_bits must be in [1, {SIZE_MAX}], got {value_bits}")
     return mask_entropy_bits(p) / value_bits + (1.0 - p)
 
 
