@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from prunopt.ops.projection import _check_no_overlap
+from prunopt.ops.projection import _check_grad_writes, _check_no_overlap
 from prunopt.ops.projection import project_budget as _project_budget_one
 from prunopt.ops.projection import project_budget_ as _project_budget_one_
 from prunopt._extension import extension_available
@@ -1140,10 +1140,14 @@ def project_budget_(theta: TensorOrList, budget, cost: Optional[TensorOrList] = 
     local shards) with its projection and returns ``theta``. Everything is
     checked, on every rank, before anything is written, so on error no rank's
     ``theta`` has changed. The tensors must not share memory (as for
-    :func:`prunopt.ops.project_budget_`)."""
+    :func:`prunopt.ops.project_budget_`), and a tensor that requires grad is
+    written only with grad mode off (``RuntimeError`` otherwise, as for
+    :func:`prunopt.ops.project_budget_` and PyTorch's in-place ops)."""
+    grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
         thetas, single, plan, costs, budget = _projection_inputs(theta, budget, cost, group)
         if not torch.compiler.is_compiling():
+            _check_grad_writes(thetas, grad_enabled=grad_enabled)
             _check_no_overlap(plan.locals)
         if not plan.groups:
             _project_budget_one_(plan.locals, budget, costs)

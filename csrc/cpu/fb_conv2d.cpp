@@ -876,6 +876,7 @@ at::Tensor fb_conv2d_cpu(const at::Tensor& input, const at::Tensor& coefficients
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double max_density) {
   const char* op = "fb_conv2d";
   check_fb_reconstruct_args(coefficients, basis, mask, op);
+  TORCH_CHECK_VALUE(!std::isnan(max_density), op, ": max_density must be a number, got nan");
   const int64_t c_out = coefficients.size(0), c_in_g = coefficients.size(1), n = coefficients.size(2);
   const auto out = check_fb_conv_args(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op);
   const int64_t row_len = c_in_g * n;
@@ -937,6 +938,8 @@ at::Tensor fb_conv2d_csr_cpu(const at::Tensor& input, const at::Tensor& crow_ind
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
   const char* op = "fb_conv2d_csr";
+  check_defined(basis, "basis", op);
+  check_defined(input, "input", op);
   TORCH_CHECK_VALUE(basis.dim() == 3, op, ": basis must have shape (N, kh, kw), got ", basis.sizes());
   check_fb_csr_args(crow_indices, col_indices, values, basis, op);
   const int64_t c_out = crow_indices.numel() - 1;

@@ -50,14 +50,14 @@ struct RgfBackwardOp {
 
 at::Tensor rgf_relu_cpu(const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu");
-  check_rgf_alpha(alpha, "rgf_relu");
+  check_rgf_alpha(alpha, "rgf_relu", x.scalar_type());
   return simd::map_unary(x, kGrainForward, ReluOp{});
 }
 
 at::Tensor rgf_relu_backward_cpu(const at::Tensor& grad, const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu_backward");
   check_like(grad, x, "grad", "x", "rgf_relu_backward");
-  check_rgf_alpha(alpha, "rgf_relu_backward");
+  check_rgf_alpha(alpha, "rgf_relu_backward", x.scalar_type());
   return simd::map_binary(grad, x, kGrainBackward, RgfBackwardOp{alpha});
 }
 

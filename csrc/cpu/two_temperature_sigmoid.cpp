@@ -34,13 +34,15 @@ struct SigmoidOp {
 #endif
 };
 
-// grad * t_s e / (1 + e)^2 with e = exp(-|t_s w|) (sigmoid_slope, eq. 7)
+// grad * (t_s e / (1 + e)^2) with e = exp(-|t_s w|) (sigmoid_slope, eq. 7);
+// the slope is scaled before grad multiplies it (grad * t_s first overflowed
+// to inf for a large t_s, and inf * a zero slope is NaN)
 struct SigmoidSlopeOp {
   double t_s;
   template <typename U>
   U operator()(U g, U w) const {
     const U ts = static_cast<U>(t_s);
-    return g * ts * sparsification::sigmoid_slope(ts * w);
+    return g * (ts * sparsification::sigmoid_slope(ts * w));
   }
 #if PRUNOPT_SIMD_AVX2
   template <typename V>
@@ -49,22 +51,22 @@ struct SigmoidSlopeOp {
     const V ts = simd::vset1(static_cast<T>(t_s));
     const V e = simd::vexp(simd::vneg(simd::vabs(simd::vmul(ts, w))));
     const V d = simd::vadd(simd::vset1(T(1)), e);
-    return simd::vdiv(simd::vmul(simd::vmul(g, ts), e), simd::vmul(d, d));
+    return simd::vmul(g, simd::vmul(ts, simd::vdiv(e, simd::vmul(d, d))));
   }
 #endif
 };
 
 at::Tensor two_temperature_sigmoid_cpu(const at::Tensor& w, double t_l, double t_s) {
   check_float_tensor(w, "w", "two_temperature_sigmoid");
-  check_temperature(t_l, "t_l", "two_temperature_sigmoid");
-  check_temperature(t_s, "t_s", "two_temperature_sigmoid");
+  check_temperature(t_l, "t_l", "two_temperature_sigmoid", w.scalar_type());
+  check_temperature(t_s, "t_s", "two_temperature_sigmoid", w.scalar_type());
   return simd::map_unary(w, kGrain, SigmoidOp{t_l});
 }
 
 at::Tensor two_temperature_sigmoid_backward_cpu(const at::Tensor& grad, const at::Tensor& w, double t_s) {
   check_float_tensor(w, "w", "two_temperature_sigmoid_backward");
   check_like(grad, w, "grad", "w", "two_temperature_sigmoid_backward");
-  check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward");
+  check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward", w.scalar_type());
   return simd::map_binary(grad, w, kGrain, SigmoidSlopeOp{t_s});
 }
 

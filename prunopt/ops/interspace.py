@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.autograd import forward_ad as _fwad
 
 from prunopt._extension import extension_available
+from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import _kernel_devices
 from prunopt.validation import validate_fb_args
 from prunopt.reference.interspace import (
@@ -306,7 +307,8 @@ def fb_reconstruct_backward(grad_h: Tensor, coefficients: Tensor, basis: Tensor,
     if grad_h.dtype != coefficients.dtype or grad_h.device != coefficients.device:
         raise ValueError(f"grad_h must have the dtype and device of coefficients ({coefficients.dtype}, "
                          f"{coefficients.device}), got {grad_h.dtype}, {grad_h.device}")
-    if len(output_mask) != 2 or not all(isinstance(b, bool) for b in output_mask):
+    if not isinstance(output_mask, (tuple, list)) or len(output_mask) != 2 or \
+            not all(isinstance(b, bool) for b in output_mask):
         raise TypeError(f"output_mask must be two bools, got {output_mask!r}")
     return _reconstruct_grads(grad_h, coefficients, basis, _mask_like(mask, coefficients), *output_mask)
 
@@ -515,6 +517,8 @@ def fb_conv2d_compressed(
             f"compressed values must have the dtype and device of basis ({basis.dtype}, {basis.device}), "
             f"got {compressed.values.dtype}, {compressed.values.device}"
         )
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a Tensor or None, got {type(bias).__name__}")
     if isinstance(bias, Tensor) and (bias.dtype != basis.dtype or bias.device != basis.device):
         raise ValueError(f"bias must have the dtype and device of basis ({basis.dtype}, {basis.device}), "
                          f"got {bias.dtype}, {bias.device}")
@@ -672,24 +676,45 @@ def register_fb_autograd() -> None:
 
 # fake kernels (torch.compile, meta tensors) and the Python autograd formulas
 if extension_available() and hasattr(torch.ops.prunopt, "fb_conv2d"):
+    # (each fake runs the real kernel's argument checks on the metadata first:
+    # prunopt/ops/_fake_checks.py)
     @torch.library.register_fake("prunopt::fb_reconstruct")
     def _fb_reconstruct_fake(coefficients, basis, mask):
+        _fc.check_fb_reconstruct(coefficients, basis, mask, "fb_reconstruct")
         return coefficients.new_empty(coefficients.shape[0], coefficients.shape[1], basis.shape[1], basis.shape[2])
 
     if hasattr(torch.ops.prunopt, "fb_reconstruct_backward"):  # absent from extensions built before it
 
         @torch.library.register_fake("prunopt::fb_reconstruct_backward")
         def _fb_reconstruct_backward_fake(grad_h, coefficients, basis, mask, output_mask):
+            _fc.check_fb_reconstruct(coefficients, basis, mask, "fb_reconstruct_backward")
+            _fc.check_fb_grad_h(grad_h, coefficients, basis, "fb_reconstruct_backward")
             return (coefficients.new_empty(coefficients.shape if output_mask[0] else (0,)),
                     basis.new_empty(basis.shape if output_mask[1] else (0,)))
 
     @torch.library.register_fake("prunopt::fb_conv2d")
     def _fb_conv2d_fake(input, coefficients, basis, mask, bias, stride, padding, dilation, groups, max_density):
-        return input.new_empty(fb_conv_out_shape(input, coefficients.shape[0], basis, stride, padding, dilation))
+        op = "fb_conv2d"
+        _fc.check_fb_reconstruct(coefficients, basis, mask, op)
+        if isinstance(max_density, float) and max_density != max_density:
+            raise ValueError(f"{op}: max_density must be a number, got nan")
+        c_out, c_in_g = coefficients.shape[0], coefficients.shape[1]
+        shape = _fc.check_fb_conv(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op)
+        return input.new_empty(shape)
 
     @torch.library.register_fake("prunopt::fb_conv2d_csr")
     def _fb_conv2d_csr_fake(input, crow_indices, col_indices, values, basis, bias, stride, padding, dilation, groups):
+        op = "fb_conv2d_csr"
+        _fc.check_fb_csr(crow_indices, col_indices, values, basis, op)
         c_out = crow_indices.shape[0] - 1
-        return input.new_empty(fb_conv_out_shape(input, c_out, basis, stride, padding, dilation))
+        if not isinstance(input, Tensor):
+            raise ValueError(f"{op}: input must be a tensor, got {type(input).__name__}")
+        if input.dim() != 4:
+            raise ValueError(f"{op}: input must have shape (B, C_in, H, W), got {list(input.shape)}")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or input.shape[1] % groups != 0:
+            raise ValueError(f"{op}: groups must divide C_in = {input.shape[1]}")
+        c_in_g = input.shape[1] // groups
+        shape = _fc.check_fb_conv(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op)
+        return input.new_empty(shape)
 
     register_fb_autograd()
