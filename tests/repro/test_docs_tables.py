@@ -74,3 +74,17 @@ def test_relative_links_resolve():
             if not (path.parent / target.split("#")[0]).exists():
                 broken.append(f"{path.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_overall_verdicts_table():
+    """docs/reproductions.md opens with every report's verdict counts and their sum."""
+    text = section("reproductions.md", "Overall verdicts")
+    total = {v: 0 for v in VERDICTS}
+    for name in dict.fromkeys(n for n, _ in PAGES):
+        verdicts = json.loads((DOCS / "repro" / f"{name}.json").read_text(encoding="utf-8"))["verdicts"]
+        rows = [line for line in text.splitlines() if f"(repro/{name}.md)" in line]
+        assert len(rows) == 1, name
+        assert [c.strip() for c in rows[0].strip("|").split("|")][-3:] == [str(verdicts[v]) for v in VERDICTS]
+        for v in VERDICTS:
+            total[v] += verdicts[v]
+    assert f"| all | | {total['reproduced']} | {total['qualitatively']} | {total['not reproduced']} |" in text
