@@ -238,6 +238,7 @@ def test_repro_command_tiny(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_merge_of_runs_split_by_offset(tmp_path, capsys):
     """Runs 0-2 in one process and 3-4 in another merge to the means of runs
     0-4 in one process (rows are independent)."""
