@@ -667,14 +667,33 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
     return torch.tensor(base + prefix, dtype=int_dtype).view(dtype)
 
 
-# The sample that brackets a rank's order statistic: at most this many values,
-# taken at a fixed stride (no random draw: every run sees the same bracket),
-# and the bracket spans the sample's order statistics this many standard
-# deviations of a binomial count (plus a few ranks) either side of the share.
-_SAMPLE = 1 << 15
+# The sample that brackets a rank's order statistic: blocks of _SAMPLE_BLOCK
+# contiguous values taken at a fixed stride (no random draw: every run sees the
+# same bracket), about (6 n_r)^(2/3) values in all within [_SAMPLE_MIN,
+# _SAMPLE_MAX] (the sample's cost grows with its size, the candidates' as
+# n_r / sqrt(size)); the bracket spans the sample's order statistics this many
+# standard deviations of a binomial count (plus a few ranks) either side of the
+# share.
+_SAMPLE_MIN, _SAMPLE_MAX, _SAMPLE_BLOCK = 1 << 15, 1 << 20, 128
 _SAMPLE_SIGMAS = 5.0
 # _radix_select's answer when the bracket missed (see _bracket_select)
 _MISSED = object()
+
+
+def _sample(keys: List[Tensor], n_r: int) -> Tensor:
+    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few)."""
+    size = min(max(int((6 * n_r) ** (2 / 3)), _SAMPLE_MIN), _SAMPLE_MAX)
+    if n_r <= size:
+        return torch.cat(keys).abs()
+    every = n_r // size  # one value (one block) in `every`
+    parts = []
+    for v in keys:
+        nb = v.numel() // _SAMPLE_BLOCK
+        if nb >= every:
+            parts.append(v[:nb * _SAMPLE_BLOCK].view(nb, _SAMPLE_BLOCK)[every // 2::every].reshape(-1))
+        else:
+            parts.append(v[every // 2::every])
+    return torch.cat(parts).abs()
 
 
 def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, float]:
@@ -683,19 +702,20 @@ def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, fl
     (certainly when the sample is all of ``keys``; ``hi`` may be ``inf``).
     A non-finite sample value gives the widest bracket (the fused pass then
     reports it)."""
-    stride = max(1, -(-n_r // _SAMPLE))
-    sample = torch.cat([v[(stride - 1) // 2::stride] for v in keys]).abs() if stride > 1 else \
-        torch.cat(keys).abs()
+    sample = _sample(keys, n_r)
     ns = sample.numel()
-    if ns == 0 or not bool(torch.isfinite(sample).all()):
+    if ns == 0:
         return 0.0, math.inf
     q = share / n_r  # the share's place from the top, as a fraction
     p = q * ns
-    margin = 0 if stride == 1 else _SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
+    margin = 0 if ns == n_r else _SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
     top = int(math.floor(p - margin))      # ranks from the top (1 = the largest)
     bottom = int(math.ceil(p + margin))
-    hi = math.inf if top < 1 else float(_topk_threshold_one([sample], top))
-    lo = 0.0 if bottom > ns else float(_topk_threshold_one([sample], bottom))
+    try:
+        hi = math.inf if top < 1 else float(_topk_threshold_one([sample], top))
+        lo = 0.0 if bottom > ns else float(_topk_threshold_one([sample], bottom))
+    except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
+        return 0.0, math.inf
     return lo, hi
 
 

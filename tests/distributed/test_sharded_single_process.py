@@ -188,8 +188,8 @@ def test_bracket_select_bit_identical(case):
 @example((torch.float32, [4097, 0, 5], "ties", 0, 1.0))
 @example((torch.float64, [300, 1], "tiny", 1, 0.0))
 def test_bracket_select_from_a_strided_sample(case):
-    """With a sample smaller than the shard (here at most 64 values) the
-    bracket comes from the sample's order statistics: still bit-identical
+    """With a sample smaller than the shard (here about 64 values, in blocks
+    of 4) the bracket comes from the sample's order statistics: still bit-identical
     (a bracket that misses falls back to the radix select over everything)."""
     dtype, sizes, kind, seed, kpos = case
     if dtype not in (torch.float32, torch.float64) or sum(sizes) == 0:
@@ -197,12 +197,13 @@ def test_bracket_select_from_a_strided_sample(case):
     vals = _threshold_data(dtype, sizes, kind, seed)
     n = sum(sizes)
     k = min(n, 1 + int(kpos * n))
-    saved = D._SAMPLE
-    D._SAMPLE = 64
+    saved = D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK
+    D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = 64, 64, 4
     try:
+        assert n < 128 or D._sample([v.reshape(-1) for v in vals if v.numel()], n).numel() < n
         got = D._bracket_select(vals, _one_process_plan(vals), k)
     finally:
-        D._SAMPLE = saved
+        D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = saved
     want = one_threshold(vals, k)
     assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
 
