@@ -28,6 +28,7 @@ functorch rejects, and the sparse ops have no forward-mode formulas).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -414,7 +415,8 @@ def _uncached_max_density(input, coefficients, basis, mask, stride, padding, dil
     """``max_density`` for the kernel under ``path="auto"`` (no cached CSR), or
     ``None`` when the dense path is predicted faster whatever the kernel's
     count would find, or (when that count is not negligible) at the density a
-    sample of the mask shows."""
+    sample of the mask shows; ``1.0`` (no count in the kernel) when the sample
+    shows a density clearly below the threshold."""
     kh, kw = basis.shape[1], basis.shape[2]
     ho = (input.shape[-2] + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     wo = (input.shape[-1] + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
@@ -424,8 +426,14 @@ def _uncached_max_density(input, coefficients, basis, mask, stride, padding, dil
                                      _cpu_capability())
     if max_density < 0:
         return None
-    if costly and coefficients.device.type != "meta" and _sampled_density(coefficients, mask) > max_density:
-        return None
+    if costly and coefficients.device.type != "meta":
+        d = _sampled_density(coefficients, mask)
+        if d > max_density:
+            return None
+        # clearly below the threshold (by four standard errors of the sample): the
+        # kernel's own exact count, paid before it builds the CSR, would only confirm it
+        if d + 4.0 * math.sqrt(d * (1.0 - d) / _SAMPLE) <= max_density:
+            return 1.0
     return max_density
 
 

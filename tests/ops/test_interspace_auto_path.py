@@ -89,6 +89,26 @@ def test_auto_runs_the_path_the_uncached_model_picks(capability, monkeypatch):
     assert "prunopt.fb_conv2d" in names
 
 
+def test_auto_skips_the_kernels_count_when_the_sample_is_clearly_below_the_threshold():
+    """Where the count is costly, a sampled density four standard errors below
+    the threshold hands the kernel max_density 1.0 (no second, exact count);
+    near the threshold the kernel gets the threshold and counts."""
+    gen = torch.Generator().manual_seed(3)
+    dims = (128, 128, 128, 9, 9, 256, 256)
+    threshold = auto_max_density(*dims, csr_cached=False)
+    g = torch.randn(9, 3, 3, generator=gen)
+    x = torch.randn(1, 128, 16, 16, generator=gen)
+    lam = torch.randn(128, 128, 9, generator=gen)
+    args = ((1, 1), (1, 1), (1, 1), 1)
+    low = (torch.rand(lam.shape, generator=gen) < threshold / 4).float()
+    assert ops_interspace._uncached_max_density(x, lam, g, low, *args) == 1.0
+    near = (torch.rand(lam.shape, generator=gen) < 0.97 * threshold).float()
+    d = ops_interspace._sampled_density(lam, near)
+    assert d + 4 * (d * (1 - d) / ops_interspace._SAMPLE) ** 0.5 > threshold  # not clearly below
+    if d <= threshold:
+        assert ops_interspace._uncached_max_density(x, lam, g, near, *args) == threshold
+
+
 def test_sampled_density_estimates_the_masked_density():
     gen = torch.Generator().manual_seed(1)
     lam = torch.randn(256, 64, 9, generator=gen)

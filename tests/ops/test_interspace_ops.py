@@ -194,6 +194,35 @@ def test_sparse_path_four_output_maps_match_on_both_clones(n, monkeypatch):
             torch.testing.assert_close(y512.double(), exact, **_tol(torch.float32, 30.0))
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sparse_path_half_types_are_float32_rounded_once(dtype):
+    """float16 and bfloat16 run the float32 sparse path: the output is the
+    float32 op on the converted arguments, rounded once to the input dtype,
+    bit for bit (CSR and masked forms; the basis stays in the input dtype,
+    as it is converted to double exactly either way), and close to the float64
+    reference of those values."""
+    g = torch.Generator().manual_seed(11)
+    for hw, stride in [(2, 1), (7, 1), (16, 1), (9, 2)]:
+        x = torch.randn(2, 6, hw, hw, generator=g).to(dtype)
+        coeff = torch.randn(8, 6, 9, generator=g).to(dtype)
+        mask = (torch.rand(coeff.shape, generator=g) < 0.3).to(dtype)
+        basis = torch.randn(9, 3, 3, generator=g).to(dtype)
+        bias = torch.randn(8, generator=g).to(dtype)
+        conv = ([stride] * 2, [1, 1], [1, 1], 1)
+        y = torch.ops.prunopt.fb_conv2d(x, coeff, basis, mask, bias, *conv, 1.0)
+        y32 = torch.ops.prunopt.fb_conv2d(x.float(), coeff.float(), basis.float(), mask.float(), bias.float(), *conv,
+                                          1.0)
+        assert y.dtype == dtype and torch.equal(y, y32.to(dtype)), (hw, stride)
+        crow, col, values, _ = fb_compress(coeff, mask)
+        y_csr = torch.ops.prunopt.fb_conv2d_csr(x, crow, col, values, basis, None, *conv)
+        y_csr32 = torch.ops.prunopt.fb_conv2d_csr(x.float(), crow, col, values.float(), basis.float(), None, *conv)
+        assert y_csr.dtype == dtype and torch.equal(y_csr, y_csr32.to(dtype)), (hw, stride)
+        exact = fb_conv2d_reference(x.double(), coeff.double(), basis.double(), mask.double(), bias.double(),
+                                    stride, 1)
+        torch.testing.assert_close(y.double(), exact, atol=4e-2 * float(exact.abs().max()), rtol=0)
+
+
 def test_both_paths_have_the_same_gradients():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, 7, 6, generator=g, dtype=torch.float64, requires_grad=True)

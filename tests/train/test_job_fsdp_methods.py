@@ -29,6 +29,10 @@ import torch
 from _job_helpers import (HERE, StoppedChild, assert_same_weights, read_json, run_child, summary_fields, summary_lines,
                           torchrun_prefix)
 
+# slow: one torchrun invocation of ~30 runs and three killed-and-resumed runs (minutes); the default
+# run covers torchrun with DDP and --fsdp on one method (test_job_distributed.py)
+pytestmark = pytest.mark.slow
+
 CHAIN = os.path.join(HERE, "_methods_chain.py")
 TINY = ["--limit", "297", "--epochs", "1", "--batch-size", "16", "--sparsity", "0.5", "--no-progress"]
 TOOLKIT = ["pai-random", "snip", "grasp", "synflow", "lt", "set", "rigl", "gmp", "ft"]
@@ -182,7 +186,6 @@ def test_ds_fsdp_like_ddp_and_comparable_to_one_process(distributed, one_process
 
 
 # ------------------------------------------------------------ resume under --fsdp
-@pytest.mark.slow
 @pytest.mark.parametrize("method,after,more", [("lt", 2, []), ("ds", 3, []), ("prunadag", 1, ["--epochs", "2"])])
 def test_fsdp_run_resumes_bit_exactly(method, after, more, tmp_path):
     """State that holds shards outside the model and its optimizer (the
