@@ -242,8 +242,9 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
     if isinstance(example_input, Tensor):
         if example_input.dim() == 0:
             raise ValueError("example_input must be a batch of inputs (at least 1-d)")
-        if not example_input.is_floating_point():
-            raise TypeError(f"example_input must be a floating-point tensor, got {example_input.dtype}")
+        # (any dtype the model takes: token ids for a language model, where the
+        # all-ones input is token 1 everywhere; a model that cannot take it is a
+        # RuntimeError naming example_input, see _run_on)
         ones = torch.ones_like(example_input[:1])
     elif isinstance(example_input, (tuple, list, torch.Size)) and len(example_input) > 0 and all(
             isinstance(s, int) and not isinstance(s, bool) and 0 < s < 2**63 for s in example_input):
