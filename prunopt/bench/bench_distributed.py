@@ -22,9 +22,9 @@ float32, ``N`` elements in all, split evenly over 2 gloo ranks spawned here
 Every contender is verified before it is timed (the sharded threshold
 bit-identical to ``torch.kthvalue`` on the gathered values, the sharded
 projection within 1e-5 of the one-process projection). The ranks time each
-collective contender in lockstep (``torch.utils.benchmark.Timer.timeit``: two
-warm-up calls, then the mean of ``reps`` calls; the slower rank's figure is
-reported, the collectives keep the ranks in step). Bytes are counted by
+collective contender in lockstep (one warm-up call, then the median of ``reps``
+calls, each timed alone; the slower rank's figure is reported, the
+collectives keep the ranks in step). Bytes are counted by
 wrapping ``torch.distributed.all_reduce`` and ``all_gather_single``: the
 payload one rank hands to the collectives per call. The model rows give the
 bytes one rank sends per call with ``W`` ranks on a ring (all_reduce
@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import statistics
 import tempfile
 import time
 from typing import Dict, List
@@ -42,7 +43,6 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils import benchmark
 
 from prunopt.bench.common import environment, median_time, write_results
 
@@ -88,6 +88,22 @@ class _Counter:
     def __exit__(self, *exc):
         for name, orig in self._orig.items():
             setattr(dist, name, orig)
+
+
+def _lockstep_median(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn``, each timed alone. Every rank
+    makes the same number of calls (the collectives inside keep them in
+    lockstep; an adaptive count such as ``blocked_autorange`` could differ
+    between ranks and hang), and the median, as for the one-process
+    contenders, keeps a rare slow wake-up of the loopback transport out of
+    the figure."""
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, out_dir: str) -> None:
@@ -146,8 +162,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
         results["projection_sum"] = float(proj.double().sum())
         del outs, proj
         for key, fn in contenders.items():
-            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-            results[key]["seconds"] = timer.timeit(reps).mean
+            results[key]["seconds"] = _lockstep_median(fn, reps)
         del grad, score
         results.update(_fsdp_steps(rank, world, n, threads, reps))
     finally:
@@ -219,8 +234,7 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
         opt.step()  # state created, kernels warm
         with _Counter() as cnt:
             opt.step()
-        timer = benchmark.Timer(stmt="opt.step()", globals={"opt": opt}, num_threads=threads)
-        out[key] = {"calls": cnt.calls, "bytes": cnt.bytes, "seconds": timer.timeit(reps).mean}
+        out[key] = {"calls": cnt.calls, "bytes": cnt.bytes, "seconds": _lockstep_median(opt.step, reps)}
         del model, opt
     return out
 
@@ -277,7 +291,7 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
     per_rank = max(1, threads // WORLD)
     rows = []
     for n in sizes:
-        reps = 3 if (quick or n > 10_000_000) else 5
+        reps = 3 if quick else (5 if n > 10_000_000 else 15)
         ranks = _run_ranks(n, per_rank, reps)
         grad = torch.cat([_shard(n, r, WORLD, "grad") for r in range(WORLD)])
         score = torch.cat([_shard(n, r, WORLD, "score") for r in range(WORLD)])
@@ -328,8 +342,8 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
                              "payload_bytes_per_rank": _ring_bytes(kind, payload, w)})
     notes = (f"float32; N elements in all, 2 gloo ranks spawned on this machine (127.0.0.1), {per_rank} thread(s) "
              f"each; one-process contenders with {threads} threads after the ranks exit. threshold: k = N/10 of "
-             "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's mean of "
-             "reps calls after two warm-up calls (torch.utils.benchmark Timer.timeit, lockstep); "
+             "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's median of "
+             "reps calls (15 up to 10M, 5 above; 3 with --quick) after warm-up calls, each call timed alone, in lockstep; "
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
