@@ -168,13 +168,7 @@ def check_projection(theta, cost, budget, op: str) -> None:
         if len(cost) != len(theta):
             raise ValueError(f"{op}: cost must have as many tensors as theta ({len(theta)}), got {len(cost)}")
         for i, (c, t) in enumerate(zip(cost, theta)):
-            if c.shape != t.shape:
-                raise ValueError(f"{op}: cost[{i}] must have the shape of theta[{i}] {list(t.shape)}, got "
-                                 f"{list(c.shape)}")
-            if c.dtype != t0.dtype:
-                raise ValueError(f"{op}: cost[{i}] must have the dtype of theta ({t0.dtype}), got {c.dtype}")
-            if c.device != t0.device:
-                raise ValueError(f"{op}: cost[{i}] must be on the device of theta ({t0.device}), got {c.device}")
+            check_like(c, t, f"cost[{i}]", f"theta[{i}]", op)
 
 
 def _check_basis(basis, n: int, dtype: torch.dtype, device, op: str) -> None:
@@ -199,14 +193,7 @@ def check_fb_reconstruct(coefficients, basis, mask: Optional[Tensor], op: str) -
         raise ValueError(f"{op}: coefficients must be a floating tensor, got {coefficients.dtype}")
     _check_basis(basis, coefficients.shape[2], coefficients.dtype, coefficients.device, op)
     if mask is not None:
-        _tensor(mask, "mask", op)
-        if mask.shape != coefficients.shape:
-            raise ValueError(f"{op}: mask must have the shape of coefficients {list(coefficients.shape)}, got "
-                             f"{list(mask.shape)}")
-        if mask.dtype != coefficients.dtype:
-            raise ValueError(f"{op}: mask must have the dtype of coefficients ({coefficients.dtype}), got {mask.dtype}")
-        if mask.device != coefficients.device:
-            raise ValueError(f"{op}: mask must be on {coefficients.device}")
+        check_like(mask, coefficients, "mask", "coefficients", op)
 
 
 def check_fb_grad_h(grad_h, coefficients: Tensor, basis: Tensor, op: str) -> None:

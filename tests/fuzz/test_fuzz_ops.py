@@ -188,12 +188,17 @@ def _overlapping(t: torch.Tensor) -> list:
 
 # ------------------------------------------------------------------- prunAdag
 
-def _topk(d) -> Case:
+def _selection_values(d):
+    """A dtype and one to three small tensors of it (some empty) for the selection ops."""
     dtype = d.draw(st.sampled_from([F32, F64]), label="dtype")
     shapes = d.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 3)), min_size=1, max_size=3), label="shapes")
     seed = d.draw(SEEDS, label="seed")
     special = d.draw(st.sampled_from(["none", "zeros", "tiny", "extreme"]), label="special")
-    values = [tensor(s, dtype, seed + i, 1.0, special) for i, s in enumerate(shapes)]
+    return dtype, [tensor(s, dtype, seed + i, 1.0, special) for i, s in enumerate(shapes)]
+
+
+def _topk(d) -> Case:
+    dtype, values = _selection_values(d)
     if d.draw(st.booleans(), label="ties"):
         values = [v.round() for v in values]
     n = sum(v.numel() for v in values)
@@ -271,11 +276,7 @@ def _prunadag(d) -> Case:
 
 
 def _topk_bracket(d) -> Case:
-    dtype = d.draw(st.sampled_from([F32, F64]), label="dtype")
-    shapes = d.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 3)), min_size=1, max_size=3), label="shapes")
-    seed = d.draw(SEEDS, label="seed")
-    special = d.draw(st.sampled_from(["none", "zeros", "tiny", "extreme"]), label="special")
-    values = [tensor(s, dtype, seed + i, 1.0, special) for i, s in enumerate(shapes)]
+    dtype, values = _selection_values(d)
     lo = d.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]), label="lo")
     hi = lo + d.draw(st.sampled_from([0.0, 0.5, 2.0, math.inf]), label="width")
 

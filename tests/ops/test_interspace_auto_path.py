@@ -49,6 +49,17 @@ def _run(x, lam, g, mu):
     return y, rec.names
 
 
+def _costly_count_layer(seed: int):
+    """A 128->128 layer at 16x16 (batch 1), where the kernel's own count is not
+    negligible: ``(generator, uncached threshold, x, lam, basis)``."""
+    gen = torch.Generator().manual_seed(seed)
+    threshold = auto_max_density(128, 128, 128, 9, 9, 256, 256, csr_cached=False)
+    g = torch.randn(9, 3, 3, generator=gen)
+    x = torch.randn(1, 128, 16, 16, generator=gen)
+    lam = torch.randn(128, 128, 9, generator=gen)
+    return gen, threshold, x, lam, g
+
+
 @needs_kernel
 @pytest.mark.parametrize("capability", ["AVX512", "default"])
 def test_auto_runs_the_path_the_uncached_model_picks(capability, monkeypatch):
@@ -93,12 +104,7 @@ def test_auto_skips_the_kernels_count_when_the_sample_is_clearly_below_the_thres
     """Where the count is costly, a sampled density four standard errors below
     the threshold hands the kernel max_density 1.0 (no second, exact count);
     near the threshold the kernel gets the threshold and counts."""
-    gen = torch.Generator().manual_seed(3)
-    dims = (128, 128, 128, 9, 9, 256, 256)
-    threshold = auto_max_density(*dims, csr_cached=False)
-    g = torch.randn(9, 3, 3, generator=gen)
-    x = torch.randn(1, 128, 16, 16, generator=gen)
-    lam = torch.randn(128, 128, 9, generator=gen)
+    gen, threshold, x, lam, g = _costly_count_layer(3)
     args = ((1, 1), (1, 1), (1, 1), 1)
     low = (torch.rand(lam.shape, generator=gen) < threshold / 4).float()
     assert ops_interspace._uncached_max_density(x, lam, g, low, *args) == 1.0
@@ -169,12 +175,7 @@ def test_sampled_density_is_remembered_until_the_mask_is_written(monkeypatch):
 
 @needs_kernel
 def test_auto_follows_a_mask_written_in_place():
-    gen = torch.Generator().manual_seed(5)
-    dims = (128, 128, 128, 9, 9, 256, 256)
-    threshold = auto_max_density(*dims, csr_cached=False)
-    g = torch.randn(9, 3, 3, generator=gen)
-    x = torch.randn(1, 128, 16, 16, generator=gen)
-    lam = torch.randn(128, 128, 9, generator=gen)
+    gen, threshold, x, lam, g = _costly_count_layer(5)
     mu = (torch.rand(lam.shape, generator=gen) < threshold / 4).float()
     _, names = _run(x, lam, g, mu)
     assert "prunopt.fb_conv2d" in names
