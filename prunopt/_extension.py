@@ -4,6 +4,12 @@ Importing prunopt never fails: if the extension is missing (``PRUNOPT_NO_EXT=1``
 at build time, or a failed build) a single warning is issued and every op runs
 its pure-PyTorch reference instead. Set ``PRUNOPT_REQUIRE_EXTENSION=1`` to make a
 missing extension an ``ImportError`` (CI does).
+
+``PRUNOPT_EXTENSION_LIBRARY=/path/to/libprunopt_ops.so`` loads the kernels from
+that shared library (``torch.ops.load_library``) instead of ``prunopt._C``:
+``tools/sanitize.sh`` runs the op tests this way against its AddressSanitizer
+build (CMakeLists.txt, ``-DPRUNOPT_SANITIZE=ON``), which lives in its own build
+directory beside the normal extension.
 """
 import os
 import warnings
@@ -13,9 +19,23 @@ import torch  # noqa: F401  (loads libtorch/libc10, which prunopt._C links again
 _AVAILABLE = False
 _ERROR = None
 
-try:
-    from prunopt import _C  # noqa: F401  (registers torch.ops.prunopt.*)
+_LIBRARY = os.environ.get("PRUNOPT_EXTENSION_LIBRARY", "")
 
+
+def _load() -> None:
+    if _LIBRARY:
+        if not os.path.isfile(_LIBRARY):
+            raise ImportError(f"PRUNOPT_EXTENSION_LIBRARY={_LIBRARY!r} is not a file")
+        try:
+            torch.ops.load_library(_LIBRARY)  # registers torch.ops.prunopt.*
+        except OSError as exc:
+            raise ImportError(f"PRUNOPT_EXTENSION_LIBRARY={_LIBRARY!r} could not be loaded: {exc}") from exc
+    else:
+        from prunopt import _C  # noqa: F401  (registers torch.ops.prunopt.*)
+
+
+try:
+    _load()
     _AVAILABLE = True
 except ImportError as exc:  # pragma: no cover - exercised only without the build
     _ERROR = exc

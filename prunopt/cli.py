@@ -26,10 +26,15 @@ def _methods_epilog(methods) -> str:
     width = max(len(n) for n in methods) + 2
     lines = ["methods (--method):"] + [f"  {n:<{width}}{methods[n].help}" for n in sorted(methods)]
     lines += ["",
-              "torchrun --nproc_per_node=N -m prunopt train ... trains data-parallel (DDP; --fsdp: FSDP2), "
-              "--batch-size being the global batch.",
+              "torchrun --nproc_per_node=N -m prunopt train --method M ... trains data-parallel, every method:",
+              "  replicated with DDP by default, sharded with FSDP2 (fully_shard) with --fsdp. --batch-size is the",
+              "  global minibatch: each rank trains on its slice of every minibatch of the one-process run, and",
+              "  rank 0 alone prints and writes --out; the summary line ends with world_size=N. Masks, scores,",
+              "  projections and regularisers are global (the same on every rank, as in one process); batch-norm",
+              "  statistics are each rank's. Under --fsdp, GraSP scores the whole model before it is sharded.",
+              "  (docs/distributed.md, \"prunopt train under torchrun\")",
               "With --out, a checkpoint is written every epoch (--checkpoint-every) and an interrupted run "
-              "continues exactly with --resume DIR."]
+              "continues exactly with --resume DIR (also under torchrun, with the same N)."]
     return "\n".join(lines)
 
 
@@ -66,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=positive_int_arg("--threads"), default=None,
                    help="intra-op CPU threads (default: torch's); results are reproducible for a given count")
     t.add_argument("--fsdp", action="store_true",
-                   help="under torchrun, shard the model with FSDP2 instead of replicating it with DDP")
+                   help="under torchrun, shard the model with FSDP2 (parameters, gradients and optimizer state "
+                        "split over the ranks) instead of replicating it with DDP; every method runs sharded")
     t.add_argument("--limit", type=positive_int_arg("--limit"), default=None, help="use only this many images (quick runs)")
     t.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     for entry in METHODS.values():

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from prunopt.ops.projection import _check_no_overlap
+from prunopt.ops.projection import _check_grad_writes, _check_no_overlap
 from prunopt.ops.projection import project_budget as _project_budget_one
 from prunopt.ops.projection import project_budget_ as _project_budget_one_
 from prunopt._extension import extension_available
@@ -66,6 +66,7 @@ __all__ = [
     "process_group_of",
     "is_replicated",
     "counts_locally",
+    "sum_over_shards",
 ]
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
@@ -331,6 +332,39 @@ def global_numel(tensors: TensorOrList, group: Group = None) -> int:
     return int(_all_reduce(vec, plan.groups).item()) + dtensors
 
 
+def sum_over_shards(local_sum: Tensor, like: Tensor) -> Tensor:
+    """The sum over a whole tensor from this rank's part of it, differentiably.
+
+    ``local_sum`` is computed from the local shard of ``like`` (for example
+    ``(f(local_tensor(w)) ** 2).sum()`` for a DTensor parameter ``w``); the
+    result is the sum over every shard, a plain tensor with the same value on
+    every rank (one ``all_reduce`` per sharded mesh dimension). Its gradient
+    reaches each rank's shard once, unscaled: a loss that adds the result on
+    every rank back-propagates into each shard the gradient of the global
+    sum, as the one-process sum would. On a mesh dimension where ``like`` is
+    replicated, every rank's ``local_sum`` already is the sum over that
+    dimension and is taken as it is. For a plain ``like`` (one process, DDP)
+    ``local_sum`` itself is returned. Regularisers that read sharded
+    parameters outside the forward pass (FSDP2 reshards them after it) are
+    summed with this.
+
+    Built on DTensor: ``local_sum`` becomes a ``Partial`` DTensor on the
+    sharded mesh dimensions and is redistributed to ``Replicate``; the
+    backward of that redistribution passes the gradient through unchanged.
+    ``like`` with a ``Partial`` placement is a ``ValueError``."""
+    if not isinstance(local_sum, Tensor) or is_distributed_tensor(local_sum):
+        raise TypeError(f"local_sum must be a plain tensor (this rank's part), got {type(local_sum).__name__}")
+    if not is_distributed_tensor(like):
+        if not isinstance(like, Tensor):
+            raise TypeError(f"like must be a Tensor, got {type(like).__name__}")
+        return local_sum
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    kinds = _placement_kinds(like, "like")
+    placements = [Partial() if k == "shard" else Replicate() for k in kinds]
+    return DTensor.from_local(local_sum, like.device_mesh, placements, run_check=False).full_tensor()
+
+
 def _limbs(value: int, count: int, bits: int) -> List[int]:
     """``value`` (``0 <= value < 2**(count*bits)``) as ``count`` limbs of ``bits`` bits."""
     return [(value >> (bits * i)) & ((1 << bits) - 1) for i in range(count)]
@@ -517,25 +551,29 @@ def _select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = 
 # bracket's host reads)
 _BRACKET_DEVICES = frozenset({"cpu"})
 def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
-    """The sharded select through a bracket of the threshold that holds it by
-    construction, so that only the elements inside it enter the radix passes.
+    """The sharded select through a bracket of the threshold, so that only the
+    elements inside it enter the radix passes.
 
     1. one ``all_reduce``: the global ``n`` (and the agreement on ``k`` and the
-       dtype), so each rank knows its share of ``k``, ``s_r = ceil(k n_r / n)``
-       (``sum s_r < k + W``);
-    2. each rank takes the exact ``s_r``-th largest of its own ``|v|``,
-       ``t_r``, with the fused one-process op; one ``all_reduce`` (max) gives
-       ``hi = max t_r``, ``lo = min t_r`` and a non-finite flag. At most
-       ``s_r - 1`` of a rank's values exceed ``t_r``, so fewer than
-       ``sum (s_r - 1) < k`` exceed ``hi``; at least ``s_r`` reach ``t_r``, so
-       at least ``sum s_r >= k`` reach ``lo``: the ``k``-th largest lies in
-       ``[lo, hi]`` whatever the data;
+       dtype), so each rank knows its share of ``k``, ``s_r = ceil(k n_r / n)``;
+    2. each rank brackets its own ``s_r``-th largest ``|v|``, ``t_r``, from a
+       fixed strided sample of its values (:func:`_sample_bracket`: no pass
+       over the data; exact when the sample is the whole shard); one
+       ``all_reduce`` (max) gives ``hi = max hi_r`` and ``lo = min lo_r``.
+       ``min t_r <= tau <= max t_r`` (fewer than ``sum (s_r - 1) < k`` values
+       exceed ``max t_r``, at least ``sum s_r >= k`` reach ``min t_r``), so
+       ``[lo, hi]`` holds the ``k``-th largest ``tau`` whenever every rank's
+       sample bracket holds its ``t_r``;
     3. ``prunopt.ops.topk_bracket`` (one fused pass) counts the values above
-       ``hi`` and keeps the candidates inside ``[lo, hi]``;
-    4. the radix select of the ``(k - above)``-th largest among the candidates,
-       whose first pass also sums the counts of step 3.
-    The bracket only saves work; its width depends on how alike the ranks'
-    data are (at worst all of a rank's elements are candidates)."""
+       ``hi``, keeps the candidates inside ``[lo, hi]`` and checks finiteness;
+    4. the radix select of the ``(k - above)``-th largest among the
+       candidates, whose first pass also sums the counts of step 3 and the
+       non-finite flags. If the sums show that the bracket missed ``tau``
+       (every rank sees the same sums), the radix select runs over all the
+       values instead: the result is exact either way, only slower.
+    The bracket only saves work; its width depends on the sample and on how
+    alike the ranks' data are (at worst all of a rank's elements are
+    candidates)."""
     dtype, device = local[0].dtype, local[0].device
     spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
@@ -554,31 +592,131 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     n = int(meta[0])
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
-    # 2) this rank's order statistic at its share of k (exact integers)
+    # 2) a bracket of this rank's order statistic at its share of k
     share = -((-k * n_r) // n)
-    bad, t_r = 0.0, None
-    if n_r:
-        try:
-            t_r = float(_topk_threshold_one(keys, share))
-        except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
-            bad = 1.0
-    ext = torch.tensor([bad, -math.inf if t_r is None else t_r, -math.inf if t_r is None else -t_r],
-                       dtype=torch.float64)
+    lo_r, hi_r = _sample_bracket(keys, share, n_r) if n_r else (math.inf, -math.inf)
+    ext = torch.tensor([hi_r, -lo_r], dtype=torch.float64)
     for g in plan.groups:
         dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=g)
-    bad, hi, lo = float(ext[0]), float(ext[1]), -float(ext[2])
-    if bad:
+    hi, lo = float(ext[0]), max(-float(ext[1]), 0.0)
+    # 3) above the bracket, and the candidates inside it (one fused pass);
+    # a non-finite value is reported through the radix select's first pass
+    above, cands, bad = 0, [torch.empty(0, dtype=dtype, device=device)], False
+    if keys:
+        try:
+            count, inside = _topk_bracket(keys, lo, hi)
+            above, cands = int(count), [inside]
+        except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
+            bad = True
+    # 4) the radix select among the candidates (its first pass sums the counts)
+    if math.isinf(hi):
+        inner = _Plan(cands, [True] * len(cands), plan.groups, plan.world)
+        got = _radix_select(cands, inner, k, nonfinite_is_none, above=above, bad=bad)
+    else:
+        got = _select_in_bracket(cands[0], plan.groups, k, above, bad, lo, hi, nonfinite_is_none)
+    if got is _MISSED:  # the sample's bracket did not hold tau on some rank
+        return _radix_select(local, plan, k, nonfinite_is_none)
+    return got
+
+
+def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: bool, lo: float, hi: float,
+                       nonfinite_is_none: bool):
+    """The ``(k - above summed over the ranks)``-th largest of the candidates
+    ``cands`` (this rank's ``|v|`` inside ``[lo, hi]``, ``hi`` finite), by
+    radix passes over the offsets ``bits(c) - bits(lo)``: the order of
+    non-negative floats is the order of their bit patterns, and the offsets
+    span only ``bits(hi) - bits(lo)``, so a narrow bracket takes one or two
+    passes of at most 2048 buckets (at most 3 for float32, 6 for float64).
+    The first pass also sums the counts above the bracket, the candidates'
+    count and the non-finite flags; ``_MISSED`` on every rank when the rank
+    left for the candidates is not in ``[1, their count]``."""
+    dtype = cands.dtype
+    int_dtype = _RADIX[dtype].int_dtype
+    base = int(torch.tensor(lo, dtype=dtype).view(int_dtype))
+    span = int(torch.tensor(hi, dtype=dtype).view(int_dtype)) - base
+    nb = max(span.bit_length(), 1)
+    npass = -(-nb // _HIST0_BITS)
+    widths = [nb // npass + (1 if i < nb % npass else 0) for i in range(npass)]
+    # (the sign bit cleared: a candidate -0.0 is 0.0)
+    off = cands.view(int_dtype).bitwise_and((1 << _RADIX[dtype].nbits) - 1) - base
+    shift = nb - widths[0]
+    vec = torch.zeros((1 << _HIST0_BITS) + 3, dtype=torch.int64)
+    digits = torch.bitwise_right_shift(off, shift)
+    vec[:1 << widths[0]] = torch.bincount(digits, minlength=1 << widths[0])
+    vec[1 << _HIST0_BITS:] = torch.tensor([off.numel(), above, int(bad)])
+    _all_reduce(vec, groups)
+    n_c, n_above, n_bad = vec[1 << _HIST0_BITS:].tolist()
+    if n_bad:
         if nonfinite_is_none:
             return None
         raise ValueError("values contain a non-finite value (on at least one rank)")
-    # 3) above the bracket, and the candidates inside it (one fused pass)
-    above, cands = 0, [torch.empty(0, dtype=dtype, device=device)]
-    if keys:
-        count, inside = _topk_bracket(keys, lo, hi)
-        above, cands = int(count), [inside]
-    # 4) the radix select among the candidates (its first pass sums the counts)
-    inner = _Plan(cands, [True] * len(cands), plan.groups, plan.world)
-    return _radix_select(cands, inner, k, above=above)
+    k_rem = k - n_above
+    if not 1 <= k_rem <= n_c:
+        return _MISSED
+    b, k_rem = _choose_host(vec[:1 << widths[0]].tolist(), k_rem)
+    prefix = b
+    for w in widths[1:]:
+        if off.numel():
+            off = off[digits == b]
+        shift -= w
+        digits = torch.bitwise_right_shift(off, shift).bitwise_and_((1 << w) - 1)
+        hist = torch.bincount(digits, minlength=1 << w)
+        _all_reduce(hist, groups)
+        b, k_rem = _choose_host(hist.tolist(), k_rem)
+        prefix = (prefix << w) | b
+    return torch.tensor(base + prefix, dtype=int_dtype).view(dtype)
+
+
+# The sample that brackets a rank's order statistic: blocks of _SAMPLE_BLOCK
+# contiguous values taken at a fixed stride (no random draw: every run sees the
+# same bracket), about (6 n_r)^(2/3) values in all within [_SAMPLE_MIN,
+# _SAMPLE_MAX] (the sample's cost grows with its size, the candidates' as
+# n_r / sqrt(size)); the bracket spans the sample's order statistics this many
+# standard deviations of a binomial count (plus a few ranks) either side of the
+# share.
+_SAMPLE_MIN, _SAMPLE_MAX, _SAMPLE_BLOCK = 1 << 15, 1 << 20, 128
+_SAMPLE_SIGMAS = 5.0
+# _radix_select's answer when the bracket missed (see _bracket_select)
+_MISSED = object()
+
+
+def _sample(keys: List[Tensor], n_r: int) -> Tensor:
+    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few)."""
+    size = min(max(int((6 * n_r) ** (2 / 3)), _SAMPLE_MIN), _SAMPLE_MAX)
+    if n_r <= size:
+        return torch.cat(keys).abs()
+    every = n_r // size  # one value (one block) in `every`
+    parts = []
+    for v in keys:
+        nb = v.numel() // _SAMPLE_BLOCK
+        if nb >= every:
+            parts.append(v[:nb * _SAMPLE_BLOCK].view(nb, _SAMPLE_BLOCK)[every // 2::every].reshape(-1))
+        else:
+            parts.append(v[every // 2::every])
+    return torch.cat(parts).abs()
+
+
+def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, float]:
+    """``(lo, hi)`` in the dtype of ``keys``, with ``lo <= t <= hi`` for the
+    ``share``-th largest ``|v|`` ``t`` of ``keys`` with high probability
+    (certainly when the sample is all of ``keys``; ``hi`` may be ``inf``).
+    A non-finite sample value gives the widest bracket (the fused pass then
+    reports it)."""
+    sample = _sample(keys, n_r)
+    ns = sample.numel()
+    if ns == 0:
+        return 0.0, math.inf
+    q = share / n_r  # the share's place from the top, as a fraction
+    p = q * ns
+    margin = 0 if ns == n_r else _SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
+    top = int(math.floor(p - margin))      # ranks from the top (1 = the largest)
+    bottom = int(math.ceil(p + margin))
+    try:
+        hi = math.inf if top < 1 else float(_topk_threshold_one([sample], top))
+        lo = 0.0 if bottom > ns else float(_topk_threshold_one([sample], bottom))
+    except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
+        return 0.0, math.inf
+    return lo, hi
 
 
 def _topk_threshold_or_none(values: List[Tensor], k: int, group: Group = None) -> Optional[Tensor]:
@@ -595,13 +733,16 @@ def _topk_threshold_or_none(values: List[Tensor], k: int, group: Group = None) -
 
 
 def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False,
-                  above: Optional[int] = None) -> Optional[Tensor]:
+                  above: Optional[int] = None, bad: bool = False):
     """The sharded radix select of :func:`topk_threshold` on checked local
     tensors (with ``plan.groups`` empty it runs in one process: the tests use
     that to compare it with the one-process op on many inputs). With
     ``above`` (this rank's count of elements known to rank above all of
     ``local``, e.g. above a bracket) the first pass also sums it, and the
-    ``(k - total above)``-th largest of ``local`` is selected."""
+    ``(k - total above)``-th largest of ``local`` is selected, and when that
+    rank falls outside ``[1, total of local]`` (the elements above were
+    counted from a bracket that missed) every rank returns ``_MISSED``.
+    ``bad`` flags a non-finite value this rank found outside ``local``."""
     dtype, device = local[0].dtype, local[0].device
     spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1).view(spec.int_dtype) for v, c in zip(local, plan.counted) if c and v.numel()]
@@ -619,6 +760,8 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: b
     meta += [] if above is None else [above]
     for j, m in enumerate(meta):
         vec[(1 << _HIST0_BITS) + j].fill_(m)
+    if bad:  # counted as an element of a non-finite digit, so every rank sees it
+        vec[spec.nonfinite_digit] += 1
     _all_reduce(vec, plan.groups)
     tail = vec[spec.nonfinite_digit:].tolist()  # the one read back (host sync on CUDA)
     meta = tail[len(tail) - _META - extra:]
@@ -627,14 +770,16 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: b
     if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
         raise ValueError(f"k must be the same on every rank, got {k} on this one")
     n = int(meta[0])
-    if above is not None:
-        k -= int(meta[_META])
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, n={n}], got {k}")
     if sum(tail[:(1 << w0) - spec.nonfinite_digit]):
         if nonfinite_is_none:
             return None
         raise ValueError("values contain a non-finite value (on at least one rank)")
+    if above is not None:
+        k -= int(meta[_META])
+        if not 1 <= k <= n:
+            return _MISSED
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}], got {k}")
     keep = (1 << spec.nbits) - 1
 
     if compact:
@@ -1106,10 +1251,14 @@ def project_budget_(theta: TensorOrList, budget, cost: Optional[TensorOrList] = 
     local shards) with its projection and returns ``theta``. Everything is
     checked, on every rank, before anything is written, so on error no rank's
     ``theta`` has changed. The tensors must not share memory (as for
-    :func:`prunopt.ops.project_budget_`)."""
+    :func:`prunopt.ops.project_budget_`), and a tensor that requires grad is
+    written only with grad mode off (``RuntimeError`` otherwise, as for
+    :func:`prunopt.ops.project_budget_` and PyTorch's in-place ops)."""
+    grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
         thetas, single, plan, costs, budget = _projection_inputs(theta, budget, cost, group)
         if not torch.compiler.is_compiling():
+            _check_grad_writes(thetas, grad_enabled=grad_enabled)
             _check_no_overlap(plan.locals)
         if not plan.groups:
             _project_budget_one_(plan.locals, budget, costs)

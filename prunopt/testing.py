@@ -5,12 +5,14 @@ added in one place.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from prunopt._extension import cuda_kernels_available, extension_available
 
 __all__ = ["devices", "float_dtypes", "tolerance", "extension_available", "cuda_kernels_available", "avx512_cpu",
-           "simd_clones"]
+           "simd_clones", "kernels_optimised"]
 
 
 def devices():
@@ -58,3 +60,16 @@ def simd_clones(monkeypatch):
         else:
             monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
         yield isa
+
+
+def kernels_optimised() -> bool:
+    """Whether the loaded kernels were compiled with optimisation (-O2 and
+    above: setup.py and CMake's Release build use -O3); false when
+    ``PRUNOPT_KERNELS_UNOPTIMISED=1`` (``tools/sanitize.sh`` sets it for its
+    -O0 AddressSanitizer build). The FB sparse path's AVX2 clone fuses its
+    multiply-adds only where the compiler contracts them (an
+    ``optimize("fp-contract=fast")`` attribute: GCC contracts at -O2 and
+    above), while its AVX-512 clone's 4-output maps use the FMA intrinsic; so
+    the two agree bit for bit in optimised builds only, and the tests compare
+    them to a stated tolerance otherwise."""
+    return os.environ.get("PRUNOPT_KERNELS_UNOPTIMISED", "") not in ("1", "true", "yes")

@@ -12,6 +12,7 @@ import math
 import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
@@ -73,6 +74,11 @@ def validate_projection_args(theta: TensorOrList, budget, cost: Optional[TensorO
             if c.device != t.device:
                 raise ValueError(f"cost[{i}] must be on the device of theta ({t.device}), got {c.device}")
     return thetas, costs, budget, single
+
+
+#: Largest stride, padding or dilation the FB ops accept (int32's largest
+#: value: any larger one overflowed the kernels' 64-bit index arithmetic).
+CONV_ARG_MAX = 2**31 - 1
 
 
 def pair(value, name: str) -> Tuple[int, int]:
@@ -156,6 +162,9 @@ def validate_fb_args(
         raise ValueError(f"padding must be >= 0, got {padding}")
     if min(dilation) < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
+    for name, v in (("stride", stride), ("padding", padding), ("dilation", dilation)):
+        if max(v) > CONV_ARG_MAX:  # the kernels' index arithmetic stays within int64
+            raise ValueError(f"{name} must be at most {CONV_ARG_MAX}, got {v}")
     if isinstance(groups, bool) or not isinstance(groups, numbers.Integral):
         raise TypeError(f"groups must be an int, got {type(groups).__name__}")
     groups = int(groups)
@@ -186,6 +195,8 @@ def validate_fb_input(input: Tensor, coefficients: Tensor, basis: Tensor, paddin
             f"input has {c_in} channels but coefficients {tuple(coefficients.shape)} with groups={groups} "
             f"expect C_in = {coefficients.shape[1] * groups}"
         )
+    if min(input.shape[-2:]) < 1:  # (as conv2d: padding alone is no image)
+        raise ValueError(f"input must have an image of at least 1 x 1, got spatial size {tuple(input.shape[-2:])}")
     for d, (size, k) in enumerate(zip(input.shape[-2:], basis.shape[1:])):
         if size + 2 * padding[d] < dilation[d] * (k - 1) + 1:
             raise ValueError(
@@ -207,8 +218,121 @@ def check_number(v, name: str, low: float, low_inclusive: bool) -> float:
     (or at least ``low`` when ``low_inclusive``)."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    v = float(v)
+    bound = f"{'>=' if low_inclusive else '>'} {low}"
+    try:
+        v = float(v)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"{name} must be a finite number {bound}, got an integer beyond the float range") from None
     ok = math.isfinite(v) and (v >= low if low_inclusive else v > low)
     if not ok:
-        raise ValueError(f"{name} must be a finite number {'>=' if low_inclusive else '>'} {low}, got {v}")
+        raise ValueError(f"{name} must be a finite number {bound}, got {v}")
     return v
+
+
+def check_opmath_range(v: float, name: str, dtype: torch.dtype) -> float:
+    """``v`` (already a finite float) must be finite in the type the kernels
+    compute in for ``dtype`` tensors: float64 for float64, float32 otherwise
+    (float16 and bfloat16 compute in float32). A larger value would be inf
+    there, and inf times a zero a NaN where the float64 reference is finite."""
+    limit = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    if abs(v) > limit:
+        raise ValueError(f"{name} must be at most {limit:g} (the largest finite value the kernels compute with "
+                         f"for {dtype} tensors), got {v:g}")
+    return v
+
+
+# -- generic argument checks of the public API ------------------------------------------------
+# (each raises TypeError for a wrong type and ValueError for a wrong value, naming the argument)
+
+def check_module(m, name: str = "model"):
+    """``m`` must be a ``torch.nn.Module``."""
+    import torch.nn as nn
+
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(m).__name__}")
+    return m
+
+
+def check_bool(v, name: str) -> bool:
+    """``v`` must be a bool (a Python or NumPy bool; not a tensor, whose truth
+    value is ambiguous, nor a number)."""
+    if not isinstance(v, bool) and type(v).__name__ != "bool_":
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return bool(v)
+
+
+def check_shape(v, name: str = "shape") -> tuple:
+    """A tensor shape: a sequence of ints >= 0 (each at most 2**63 - 1)."""
+    if isinstance(v, (str, bytes, torch.Tensor)) or not hasattr(v, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(v).__name__}")
+    return tuple(check_int(d, f"{name}[{i}]", 0, SIZE_MAX) for i, d in enumerate(v))
+
+
+def check_int(v, name: str, low: Optional[int] = None, high: Optional[int] = None) -> int:
+    """``v`` must be an int (not a bool) in ``[low, high]``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    v = int(v)
+    if (low is not None and v < low) or (high is not None and v > high):
+        rng = f"in [{low}, {high}]" if low is not None and high is not None else (
+            f">= {low}" if low is not None else f"<= {high}")
+        raise ValueError(f"{name} must be {rng}, got {v}")
+    return v
+
+
+#: the largest size of a tensor dimension (an int64): larger sizes cannot be allocated
+SIZE_MAX = 2**63 - 1
+
+
+def check_size(v, name: str, low: int = 1) -> int:
+    """A tensor dimension: an int in ``[low, 2**63 - 1]``."""
+    return check_int(v, name, low, SIZE_MAX)
+
+
+def check_real(v, name: str, low: Optional[float] = None, high: Optional[float] = None,
+               low_inclusive: bool = True, high_inclusive: bool = True) -> float:
+    """``v`` as a float: a finite real number (not a bool, not an int beyond
+    the float range) within the given bounds."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an integer beyond the float range") from None
+    bad = not math.isfinite(f)
+    if low is not None:
+        bad = bad or (f < low if low_inclusive else f <= low)
+    if high is not None:
+        bad = bad or (f > high if high_inclusive else f >= high)
+    if bad:
+        lo = "" if low is None else f"{'>=' if low_inclusive else '>'} {low}"
+        hi = "" if high is None else f"{'<=' if high_inclusive else '<'} {high}"
+        rng = " and ".join(s for s in (lo, hi) if s)
+        raise ValueError(f"{name} must be a finite number{' ' + rng if rng else ''}, got {f}")
+    return f
+
+
+def check_str_list(v, name: str) -> Optional[list]:
+    """None, or an iterable of strings (not a single string) as a list."""
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or isinstance(v, torch.Tensor) or not hasattr(v, "__iter__"):
+        raise TypeError(f"{name} must be None or an iterable of names, got {type(v).__name__}")
+    out = list(v)
+    for x in out:
+        if not isinstance(x, str):
+            raise TypeError(f"{name} must hold names (str), got {type(x).__name__}")
+    return out
+
+
+def check_list(v, name: str, item_type=None, item: str = "items") -> list:
+    """An iterable (not a string or a tensor) as a list, each element an
+    instance of ``item_type`` when given."""
+    if isinstance(v, (str, bytes, torch.Tensor)) or not hasattr(v, "__iter__"):
+        raise TypeError(f"{name} must be a list of {item}, got {type(v).__name__}")
+    out = list(v)
+    if item_type is not None:
+        for i, x in enumerate(out):
+            if not isinstance(x, item_type):
+                raise TypeError(f"{name}[{i}] must be {item}, got {type(x).__name__}")
+    return out

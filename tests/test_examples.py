@@ -32,6 +32,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ddp_example_ranks_stay_identical():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", str(ROOT / "examples" / "ddp_prunadag.py"), "--tiny"]

@@ -16,6 +16,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "prunopt/fb_checks.h"
+
 namespace prunopt {
 namespace {
 
@@ -72,6 +74,10 @@ class FBReconstruct : public torch::autograd::Function<FBReconstruct> {
 
 at::Tensor fb_reconstruct_autograd(const at::Tensor& coefficients, const at::Tensor& basis,
                                    const c10::optional<at::Tensor>& mask) {
+  // (autograd::Function::apply reads every input's device: a None would be
+  // "tensor does not have a device" instead of the kernel's ValueError)
+  check_defined(coefficients, "coefficients", "fb_reconstruct");
+  check_defined(basis, "basis", "fb_reconstruct");
   return FBReconstruct::apply(coefficients, basis, mask);
 }
 

@@ -12,15 +12,65 @@
 // One boxed kernel serves every mutable op: it reads which arguments the
 // schema marks as written (`Tensor(a!)`, `Tensor(a!)[]`, `Tensor(a!)?`), runs
 // the op below this key, then bumps each written tensor's version once.
+//
+// At the Autograd key, a second boxed kernel refuses what ATen's in-place ops
+// refuse while grad mode is on: writing a leaf that requires grad (or a view
+// of one). Our in-place ops are not differentiable, so a written tensor that
+// is part of a graph (requires grad) is refused too: its gradient would
+// silently ignore the write. Under torch.no_grad() (optimizer steps) both are
+// allowed, as for ATen's ops. The check comes before the op runs: nothing is
+// written.
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace prunopt {
 namespace {
+
+void collect_written(const c10::IValue& v, std::vector<at::Tensor>& out);
+
+// Written tensors of the call on the stack, with the names of their arguments.
+std::vector<std::pair<std::string, at::Tensor>> written_arguments(const c10::OperatorHandle& op,
+    const torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t n = args.size();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < n; ++i) {
+    const auto* alias = args[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    const c10::IValue& v = (*stack)[stack->size() - n + i];
+    std::vector<at::Tensor> ts;
+    collect_written(v, ts);
+    const bool list = !v.isTensor();
+    for (size_t j = 0; j < ts.size(); ++j) {
+      out.emplace_back(list ? args[i].name() + "[" + std::to_string(j) + "]" : args[i].name(), ts[j]);
+    }
+  }
+  return out;
+}
+
+void refuse_grad_writes(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (at::GradMode::is_enabled()) {
+    for (const auto& [name, t] : written_arguments(op, stack)) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      TORCH_CHECK(!t.is_leaf(), op.schema().name(), ": ", name,
+          ": a leaf Variable that requires grad is being used in an in-place operation.");
+      TORCH_CHECK(!(t.is_view() && t._base().is_leaf()), op.schema().name(), ": ", name,
+          ": a view of a leaf Variable that requires grad is being used in an in-place operation.");
+      TORCH_CHECK(false, op.schema().name(), ": ", name,
+          " requires grad, but the op writes it in place and is not differentiable: call it under "
+          "torch.no_grad() or on a detached tensor");
+    }
+  }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+}
 
 void collect_written(const c10::IValue& v, std::vector<at::Tensor>& out) {
   if (v.isTensor()) {
@@ -61,4 +111,9 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ks
 TORCH_LIBRARY_IMPL(prunopt, ADInplaceOrView, m) {
   m.impl("project_budget_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
   m.impl("prunadag_step_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
+}
+
+TORCH_LIBRARY_IMPL(prunopt, Autograd, m) {
+  m.impl("project_budget_", torch::CppFunction::makeFromBoxedFunction<&prunopt::refuse_grad_writes>());
+  m.impl("prunadag_step_", torch::CppFunction::makeFromBoxedFunction<&prunopt::refuse_grad_writes>());
 }

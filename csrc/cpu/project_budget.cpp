@@ -926,6 +926,10 @@ Root newton_root(const SmallSet& s, double w, const Piece& base, double budget, 
 // Copies `m` elements spread over [0, total) into a small set, in runs of
 // kSampleRun consecutive elements (one or two cache lines per read). Elements
 // that are not finite or have a bad cost are skipped (the pass reports them).
+// When total < m the runs would overlap (their starts are less than
+// kSampleRun apart): each run starts where the previous one ended, so every
+// element is read once and the segment cursor only moves forward (a run that
+// started inside the previous one read element -1 of the next tensor).
 template <typename scalar_t, bool kCost>
 SmallSet gather_sample(const std::vector<Segment>& segs, int64_t total, int64_t m) {
   SmallSet s;
@@ -937,7 +941,7 @@ SmallSet gather_sample(const std::vector<Segment>& segs, int64_t total, int64_t 
   auto start = [&](int64_t k) { return (total / runs) * k + (total % runs) * k / runs; };
   constexpr int64_t kAhead = 16;  // runs prefetched ahead (independent cache misses)
   size_t seg = 0, pseg = 0;
-  int64_t out = 0;
+  int64_t out = 0, done = 0;  // done: the end of the previous run
   for (int64_t k = 0; k < runs; ++k) {
     if (k + kAhead < runs) {
       const int64_t g = start(k + kAhead);
@@ -949,8 +953,9 @@ SmallSet gather_sample(const std::vector<Segment>& segs, int64_t total, int64_t 
         __builtin_prefetch(static_cast<const scalar_t*>(segs[pseg].c) + (g - segs[pseg].offset));
       }
     }
-    const int64_t g0 = start(k);
-    const int64_t g1 = std::min(total, g0 + kSampleRun);
+    const int64_t g0 = std::max(start(k), done);
+    const int64_t g1 = std::min(total, start(k) + kSampleRun);
+    done = std::max(done, g1);
     for (int64_t g = g0; g < g1; ++g) {
       while (g >= segs[seg].offset + segs[seg].n) {
         ++seg;

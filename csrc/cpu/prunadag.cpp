@@ -42,6 +42,7 @@
 #define PRUNOPT_PRUNADAG_X86 1
 #endif
 
+#include "prunopt/checks.h"
 #include "prunopt/cpu_math.h"
 #include "prunopt/prunadag.h"
 #include "prunopt/prunadag_reduced.h"
@@ -1269,6 +1270,7 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   const char* op = "prunadag_step_";
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, op, ": version must be 0 (relevant_only) or 1..4, got ", version);
+  check_prunadag_writes(params, opt_sums, dec_sums, found_nonfinite, op);
   // A given selection [tau, r] (the global threshold and ratio of a scope
   // whose elements are spread over several processes) replaces steps 2 and the
   // ratio's norms: this call only checks finiteness and runs the element pass.
@@ -1472,7 +1474,7 @@ std::tuple<at::Tensor, at::Tensor> topk_bracket_cpu(at::TensorList values, doubl
     scalar_t* dst = cands.data_ptr<scalar_t>();
     for (const auto& o : outs) {  // in index order: deterministic
       for (const scalar_t c : o.cg) {
-        *dst++ = c < scalar_t(0) ? -c : c;
+        *dst++ = std::abs(c);  // (-c for c < 0 left -0.0 a negative zero: its bits are not |v|'s)
       }
     }
   });

@@ -22,7 +22,7 @@ constexpr int64_t kGrainBackward = 1 << 14;
 
 at::Tensor rgf_relu_cpu(const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu");
-  check_rgf_alpha(alpha, "rgf_relu");
+  check_rgf_alpha(alpha, "rgf_relu", x.scalar_type());
   return g::map_unary(x, kGrainForward, g::ReluOp{}, [](const auto& k, const auto* xp, auto* yp, int64_t n) {
     k.relu(xp, yp, n);
   });
@@ -31,7 +31,7 @@ at::Tensor rgf_relu_cpu(const at::Tensor& x, double alpha) {
 at::Tensor rgf_relu_backward_cpu(const at::Tensor& grad, const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu_backward");
   check_like(grad, x, "grad", "x", "rgf_relu_backward");
-  check_rgf_alpha(alpha, "rgf_relu_backward");
+  check_rgf_alpha(alpha, "rgf_relu_backward", x.scalar_type());
   return g::map_binary(grad, x, kGrainBackward, g::RgfBackwardOp{alpha},
       [alpha](const auto& k, const auto* gp, const auto* xp, auto* yp, int64_t n) { k.rgf_backward(gp, xp, yp, n, alpha); });
 }

@@ -19,8 +19,8 @@ constexpr int64_t kGrain = 1 << 14;
 
 at::Tensor two_temperature_sigmoid_cpu(const at::Tensor& w, double t_l, double t_s) {
   check_float_tensor(w, "w", "two_temperature_sigmoid");
-  check_temperature(t_l, "t_l", "two_temperature_sigmoid");
-  check_temperature(t_s, "t_s", "two_temperature_sigmoid");
+  check_temperature(t_l, "t_l", "two_temperature_sigmoid", w.scalar_type());
+  check_temperature(t_s, "t_s", "two_temperature_sigmoid", w.scalar_type());
   return g::map_unary(w, kGrain, g::SigmoidOp{t_l}, [t_l](const auto& k, const auto* wp, auto* yp, int64_t n) {
     k.sigmoid(wp, yp, n, t_l);
   });
@@ -29,7 +29,7 @@ at::Tensor two_temperature_sigmoid_cpu(const at::Tensor& w, double t_l, double t
 at::Tensor two_temperature_sigmoid_backward_cpu(const at::Tensor& grad, const at::Tensor& w, double t_s) {
   check_float_tensor(w, "w", "two_temperature_sigmoid_backward");
   check_like(grad, w, "grad", "w", "two_temperature_sigmoid_backward");
-  check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward");
+  check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward", w.scalar_type());
   return g::map_binary(grad, w, kGrain, g::SigmoidSlopeOp{t_s},
       [t_s](const auto& k, const auto* gp, const auto* wp, auto* yp, int64_t n) { k.sigmoid_backward(gp, wp, yp, n, t_s); });
 }

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <tuple>
 
 #include "prunopt/fb_checks.h"
@@ -249,6 +250,8 @@ at::Tensor fb_conv2d_cuda(const at::Tensor& input, const at::Tensor& coefficient
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double max_density) {
   const char* op = "fb_conv2d";
   check_fb_reconstruct_args(coefficients, basis, mask, op);
+  TORCH_CHECK_VALUE(!std::isnan(max_density), op, ": max_density must be a number, got nan");
+  check_defined(input, "input", op);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t c_out = coefficients.size(0), c_in_g = coefficients.size(1), n = coefficients.size(2);
   const auto out = check_fb_conv_args(input, c_out, c_in_g, basis, bias, stride, padding, dilation, groups, op);
@@ -275,6 +278,8 @@ at::Tensor fb_conv2d_csr_cuda(const at::Tensor& input, const at::Tensor& crow_in
     const at::Tensor& values, const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
   const char* op = "fb_conv2d_csr";
+  check_defined(basis, "basis", op);
+  check_defined(input, "input", op);
   TORCH_CHECK_VALUE(basis.dim() == 3, op, ": basis must have shape (N, kh, kw), got ", basis.sizes());
   check_fb_csr_args(crow_indices, col_indices, values, basis, op);
   const c10::cuda::CUDAGuard guard(input.device());

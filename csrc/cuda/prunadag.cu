@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "prunopt/checks.h"
 #include "prunopt/prunadag.h"
 #include "prunopt/prunadag_reduced.h"
 #include "prunopt/tensor_list.h"
@@ -525,6 +526,7 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
     const std::optional<at::Tensor>& found_nonfinite, const std::optional<at::Tensor>& selection) {
   TORCH_CHECK_VALUE(version >= 0 && version <= 4, "prunadag_step_: version must be 0 (relevant_only) or 1..4, got ",
       version);
+  check_prunadag_writes(params, opt_sums, dec_sums, found_nonfinite, "prunadag_step_");
   const size_t nt = params.size();
   if (nt == 0) {
     return;

@@ -25,14 +25,14 @@ struct RgfBackward {
 
 at::Tensor rgf_relu_cuda(const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu");
-  check_rgf_alpha(alpha, "rgf_relu");
+  check_rgf_alpha(alpha, "rgf_relu", x.scalar_type());
   return map_unary<Relu>(x);
 }
 
 at::Tensor rgf_relu_backward_cuda(const at::Tensor& grad, const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu_backward");
   check_like(grad, x, "grad", "x", "rgf_relu_backward");
-  check_rgf_alpha(alpha, "rgf_relu_backward");
+  check_rgf_alpha(alpha, "rgf_relu_backward", x.scalar_type());
   return map_binary<RgfBackward>(grad, x, alpha);
 }
 

@@ -19,24 +19,24 @@ struct Sigmoid {
   __device__ T operator()(T w) const { return sparsification::sigmoid(t_l * w); }
 };
 
-// grad * t_s sigmoid'(t_s w)
+// grad * (t_s sigmoid'(t_s w)): the slope scaled first, as on the CPU
 template <typename T>
 struct SigmoidSlope {
   T t_s;
-  __device__ T operator()(T g, T w) const { return g * t_s * sparsification::sigmoid_slope(t_s * w); }
+  __device__ T operator()(T g, T w) const { return g * (t_s * sparsification::sigmoid_slope(t_s * w)); }
 };
 
 at::Tensor two_temperature_sigmoid_cuda(const at::Tensor& w, double t_l, double t_s) {
   check_float_tensor(w, "w", "two_temperature_sigmoid");
-  check_temperature(t_l, "t_l", "two_temperature_sigmoid");
-  check_temperature(t_s, "t_s", "two_temperature_sigmoid");
+  check_temperature(t_l, "t_l", "two_temperature_sigmoid", w.scalar_type());
+  check_temperature(t_s, "t_s", "two_temperature_sigmoid", w.scalar_type());
   return map_unary<Sigmoid>(w, t_l);
 }
 
 at::Tensor two_temperature_sigmoid_backward_cuda(const at::Tensor& grad, const at::Tensor& w, double t_s) {
   check_float_tensor(w, "w", "two_temperature_sigmoid_backward");
   check_like(grad, w, "grad", "w", "two_temperature_sigmoid_backward");
-  check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward");
+  check_temperature(t_s, "t_s", "two_temperature_sigmoid_backward", w.scalar_type());
   return map_binary<SigmoidSlope>(grad, w, t_s);
 }
 

@@ -1,5 +1,7 @@
 // C++ unit test of prunopt::project_budget through the dispatcher: the kernel
-// against a brute-force float64 solution, and the ValueError of a bad budget.
+// against a brute-force float64 solution (one tensor, and lists of small
+// tensors), and the ValueError of a bad budget. tools/sanitize.sh runs it
+// under AddressSanitizer and UndefinedBehaviorSanitizer.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -65,6 +67,38 @@ int main() {
     }
     std::printf("n=%lld max error %.3g\n", static_cast<long long>(n), err);
     expect(err <= 1e-12, "projection matches the brute-force solution");
+  }
+  // Lists whose total is below the sample size and not a multiple of its
+  // 8-element runs (the runs overlapped and read element -1 of the next
+  // tensor: a heap-buffer-overflow under AddressSanitizer), unit costs and
+  // costs, each member its own allocation.
+  for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{
+           {6, 4}, {1, 1, 1}, {7, 9, 3}, {13, 2, 1, 5}, {4095, 3}, {2049, 2047, 1}, {8191, 1}}) {
+    at::manual_seed(static_cast<uint64_t>(sizes.size() * 1000 + sizes[0]));
+    std::vector<at::Tensor> in, cost;
+    std::vector<double> tv;
+    for (int64_t n : sizes) {
+      in.push_back(at::rand({n}, at::kFloat) * 1.2);
+      cost.push_back(at::ones({n}, at::kFloat));
+      const float* p = in.back().data_ptr<float>();
+      tv.insert(tv.end(), p, p + n);
+    }
+    const double S = 0.3 * static_cast<double>(tv.size());
+    const double lam = brute_lambda(tv, S);
+    for (int with_cost = 0; with_cost < 2; ++with_cost) {
+      std::vector<at::Tensor> out =
+          with_cost ? op.call(in, c10::optional<at::TensorList>(cost), S) : op.call(in, c10::nullopt, S);
+      double err = 0;
+      size_t j = 0;
+      for (const at::Tensor& o : out) {
+        for (int64_t i = 0; i < o.numel(); ++i, ++j) {
+          const double e = std::min(std::max(tv[j] - lam, 0.0), 1.0);
+          err = std::max(err, std::abs(static_cast<double>(o.data_ptr<float>()[i]) - e));
+        }
+      }
+      std::printf("list of %zu (total %zu, cost %d) max error %.3g\n", sizes.size(), tv.size(), with_cost, err);
+      expect(j == tv.size() && err <= 1e-5, "list projection matches the brute-force solution");
+    }
   }
   bool raised = false;
   try {

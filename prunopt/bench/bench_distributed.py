@@ -8,7 +8,7 @@ float32, ``N`` elements in all, split evenly over 2 gloo ranks spawned here
 
 * ``sharded``: ``prunopt.distributed.topk_threshold(shard, k = N/10)`` and
   ``project_budget(shard, S = 0.1 N)`` (scores uniform in [0, 1.2));
-* ``all_gather``: ``all_gather_into_tensor`` of the shards, then
+* ``all_gather``: ``all_gather_single`` of the shards, then
   ``torch.kthvalue`` of ``|v|`` (a global top-k that gathers the values, as a
   global magnitude sparsifier does) or the one-process projection of the
   gathered scores;
@@ -25,7 +25,7 @@ projection within 1e-5 of the one-process projection). The ranks time each
 collective contender in lockstep (``torch.utils.benchmark.Timer.timeit``: two
 warm-up calls, then the mean of ``reps`` calls; the slower rank's figure is
 reported, the collectives keep the ranks in step). Bytes are counted by
-wrapping ``torch.distributed.all_reduce`` and ``all_gather_into_tensor``: the
+wrapping ``torch.distributed.all_reduce`` and ``all_gather_single``: the
 payload one rank hands to the collectives per call. The model rows give the
 bytes one rank sends per call with ``W`` ranks on a ring (all_reduce
 ``2 (W-1)/W`` times the payload, all_gather ``(W-1)/W`` times the gathered size).
@@ -59,6 +59,10 @@ def _shard(n: int, rank: int, world: int, kind: str) -> torch.Tensor:
     return torch.randn(m, generator=g) if kind == "grad" else torch.rand(m, generator=g) * 1.2
 
 
+# the one-tensor all_gather (``all_gather_into_tensor`` before its rename)
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 class _Counter:
     """Counts the collectives prunopt.distributed and the baselines call, and
     their payload, by wrapping the torch.distributed functions."""
@@ -68,7 +72,7 @@ class _Counter:
         self._orig = {}
 
     def __enter__(self):
-        for name in ("all_reduce", "all_gather_into_tensor"):
+        for name in ("all_reduce", _ALL_GATHER):
             orig = getattr(dist, name)
             self._orig[name] = orig
 
@@ -102,7 +106,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
 
         def gathered(x):
             full = torch.empty(m * world, dtype=x.dtype)
-            dist.all_gather_into_tensor(full, x)
+            getattr(dist, _ALL_GATHER)(full, x)
             return full
 
         def dense(x):

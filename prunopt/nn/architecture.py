@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from prunopt.nn._jit import script_unsupported
 from prunopt.ops import two_temperature_sigmoid
+from prunopt.validation import check_list, check_module, check_real
 
 __all__ = [
     "TwoTemperatureMask",
@@ -41,6 +42,7 @@ def _check_mask_args(t_l, t_s, init_scale) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+        check_real(v, name)  # (an int beyond the float range is a ValueError)
     t_s = t_l / 100.0 if t_s is None else t_s
     for name, v in (("t_l", t_l), ("t_s", t_s)):
         if not (math.isfinite(v) and v > 0):
@@ -82,7 +84,8 @@ class TwoTemperatureMask(nn.Module):
                  generator: Optional[torch.Generator] = None):
         super().__init__()
         if not isinstance(layer, (nn.Linear, nn.Conv2d)):
-            raise TypeError(f"TwoTemperatureMask wraps nn.Linear or nn.Conv2d, got {type(layer).__name__}")
+            raise TypeError(f"layer must be an nn.Linear or nn.Conv2d (TwoTemperatureMask wraps one), got "
+                            f"{type(layer).__name__}")
         _check_mask_args(t_l, t_s, init_scale)
         self.layer = layer
         self.t_l = float(t_l)
@@ -101,7 +104,9 @@ class TwoTemperatureMask(nn.Module):
         return bool(self.frozen)
 
     def relaxed_mask(self) -> Tensor:
-        """v = sigmoid(t_l w) with the t_s backward (eq. 6-7)."""
+        """v = sigmoid(t_l w) with the t_s backward (eq. 6-7). (For logits
+        sharded by FSDP2, outside the forward pass, :func:`mask_regularizer`
+        works on the local shards.)"""
         return two_temperature_sigmoid(self.w, self.t_l, self.t_s)
 
     def binary_mask(self) -> Tensor:
@@ -221,32 +226,68 @@ def wrap_two_temperature_masks(model: nn.Module, t_l: float = 1000.0, t_s: Optio
 
 def two_temperature_masks(model: nn.Module) -> List[TwoTemperatureMask]:
     """Every :class:`TwoTemperatureMask` of ``model``, in module order."""
+    check_module(model, "model")
     return [m for m in model.modules() if isinstance(m, TwoTemperatureMask)]
 
 
 def mask_regularizer(masks: Sequence[TwoTemperatureMask], gamma: float) -> Tensor:
     r""":math:`\gamma \sum_l \|v_l\|_2^2` over the relaxed masks (AP eq. 13's penalty),
-    through the two-temperature backward. Frozen masks contribute nothing."""
-    if not math.isfinite(gamma) or gamma < 0:
-        raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
+    through the two-temperature backward. Frozen masks contribute nothing.
+
+    Mask logits sharded by FSDP2 (DTensors, as they are outside the forward
+    pass) are summed over the whole tensors: each rank squares its shard's
+    relaxed mask and the partial sums are added over the ranks
+    (:func:`prunopt.distributed.sum_over_shards`), so every rank gets the
+    same penalty and each shard the gradient of the global one."""
+    from prunopt.distributed import is_distributed_tensor, local_tensor, sum_over_shards
+
+    masks = _masks(masks)
+    gamma = check_real(gamma, "gamma", 0.0)
     live = [m for m in masks if not m._is_frozen()]
     if not live:
         return torch.zeros(())
-    return gamma * sum((m.relaxed_mask() ** 2).sum() for m in live)
+    terms = []
+    for m in live:
+        if is_distributed_tensor(m.w):
+            v = two_temperature_sigmoid(local_tensor(m.w), m.t_l, m.t_s)
+            terms.append(sum_over_shards((v ** 2).sum(), m.w))
+        else:
+            terms.append((m.relaxed_mask() ** 2).sum())
+    return gamma * sum(terms)
+
+
+def _kept_counts(masks: Sequence[TwoTemperatureMask]) -> List[int]:
+    """Per layer, the number of entries with ``w > 0`` in the whole tensor:
+    for FSDP2 shards (DTensors) the local counts summed over the ranks in one
+    ``all_reduce``; a plain tensor among DTensors is taken as replicated and
+    counted once."""
+    from prunopt.distributed import all_reduce_sum, counts_locally, is_distributed_tensor, local_tensor, \
+        process_group_of
+
+    ws = [m.w.detach() for m in masks]
+    sharded = [w for w in ws if is_distributed_tensor(w)]
+    if not sharded:
+        return [int((w > 0).sum()) for w in ws]
+    first = all(c == 0 for c in sharded[0].device_mesh.get_coordinate())
+    local = [int((local_tensor(w) > 0).sum()) if (counts_locally(w) if is_distributed_tensor(w) else first) else 0
+             for w in ws]
+    return [int(v) for v in all_reduce_sum(local, group=process_group_of(sharded)).tolist()]
 
 
 @torch.no_grad()
 def mask_density(masks: Sequence[TwoTemperatureMask]) -> float:
-    """Fraction of ones in the final masks 1[w > 0] over all layers."""
+    """Fraction of ones in the final masks 1[w > 0] over all layers (over the
+    whole tensors for FSDP2 shards: the same value on every rank)."""
+    masks = _masks(masks)
     total = sum(m.w.numel() for m in masks)
-    return sum(int((m.w > 0).sum()) for m in masks) / max(total, 1)
+    return sum(_kept_counts(masks)) / max(total, 1)
 
 
 def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float) -> bool:
     """Freezes every mask once the global sparsity of 1[w > 0] reaches
     ``target_sparsity`` (AP footnote 10); returns True when frozen."""
-    if not 0.0 <= target_sparsity <= 1.0:
-        raise ValueError(f"target_sparsity must be in [0, 1], got {target_sparsity}")
+    masks = _masks(masks)
+    target_sparsity = check_real(target_sparsity, "target_sparsity", 0.0, 1.0)
     if 1.0 - mask_density(masks) >= target_sparsity:
         for m in masks:
             m.freeze()
@@ -257,8 +298,16 @@ def stop_at_sparsity(masks: Sequence[TwoTemperatureMask], target_sparsity: float
 @torch.no_grad()
 def layer_densities(masks: Sequence[TwoTemperatureMask]) -> List[float]:
     """Density of 1[w > 0] per layer (the paper's Table 1 layerwise profile);
-    NaN for a layer without weights (0 elements), whose density is undefined."""
-    return [float((m.w > 0).double().mean()) if m.w.numel() else math.nan for m in masks]
+    NaN for a layer without weights (0 elements), whose density is undefined.
+    Over the whole tensors for FSDP2 shards."""
+    masks = _masks(masks)
+    return [k / m.w.numel() if m.w.numel() else math.nan for k, m in zip(_kept_counts(masks), masks)]
+
+
+@torch.no_grad()
+def _masks(masks) -> List["TwoTemperatureMask"]:
+    """``masks`` as a list of TwoTemperatureMask (TypeError naming ``masks``)."""
+    return check_list(masks, "masks", TwoTemperatureMask, "TwoTemperatureMask modules")
 
 
 @torch.no_grad()
@@ -276,7 +325,8 @@ def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Seq
     random; the masks are frozen. Every density is checked (a real number in
     [0, 1]; for a layer without weights, which has nothing to draw, NaN as
     :func:`layer_densities` gives is accepted too) before any mask is changed."""
-    densities = layer_densities(masks) if densities is None else list(densities)
+    masks = _masks(masks)
+    densities = layer_densities(masks) if densities is None else check_list(densities, "densities", item="numbers")
     if len(densities) != len(masks):
         raise ValueError(f"densities has {len(densities)} entries for {len(masks)} masks")
     for i, (m, d) in enumerate(zip(masks, densities)):
@@ -298,6 +348,7 @@ def reshuffle_masks(masks: Sequence[TwoTemperatureMask], densities: Optional[Seq
 @torch.no_grad()
 def extract_architecture(masks: Sequence[TwoTemperatureMask]) -> List[Tensor]:
     """The selected sub-architecture: the boolean masks 1[w > 0] per layer."""
+    masks = _masks(masks)
     return [(m.w > 0).clone() for m in masks]
 
 
@@ -308,7 +359,8 @@ def apply_architecture(masks: Sequence[TwoTemperatureMask], architecture: Sequen
 
     Each entry of ``architecture`` is a tensor of its weight's shape, boolean or
     with values 0/1 only; all are checked before any mask is changed."""
-    architecture = list(architecture)
+    masks = _masks(masks)
+    architecture = check_list(architecture, "architecture", item="tensors")
     if len(architecture) != len(masks):
         raise ValueError(f"architecture has {len(architecture)} masks for {len(masks)} layers")
     for m, a in zip(masks, architecture):

@@ -31,6 +31,7 @@ from prunopt.nn._swap import swap_modules
 from prunopt.nn._wrapping import check_not_wrapped
 from prunopt.reference.interspace import fb_reconstruct_reference
 from prunopt.validation import pair as _checked_pair
+from prunopt.validation import SIZE_MAX, check_bool, check_int, check_module
 from prunopt.validation import validate_fb_args, validate_fb_input
 
 __all__ = [
@@ -51,8 +52,8 @@ def _kernel_pair(kernel_size) -> Tuple[int, int]:
     """``kernel_size`` as ``(kh, kw)``: TypeError unless an int or a pair of ints,
     ValueError unless both are positive."""
     kh, kw = _checked_pair(kernel_size, "kernel_size")
-    if kh < 1 or kw < 1:
-        raise ValueError(f"kernel_size must be positive, got {(kh, kw)}")
+    if kh < 1 or kw < 1 or max(kh, kw) > SIZE_MAX:
+        raise ValueError(f"kernel_size must be positive (and at most {SIZE_MAX}), got {(kh, kw)}")
     return kh, kw
 
 
@@ -102,7 +103,7 @@ class FilterBasis(nn.Module):
         super().__init__()
         kh, kw = _kernel_pair(kernel_size)
         n = kh * kw if size is None else size
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > SIZE_MAX:
             raise ValueError(f"size must be a positive int, got {size!r}")
         if init not in _INITS:
             raise ValueError(f"init must be one of {_INITS}, got {init!r}")
@@ -220,8 +221,9 @@ class FBConv2d(nn.Module):
                  *, init: Optional[str] = None, device=None, dtype=None):
         super().__init__()
         for name, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > SIZE_MAX:
+                raise ValueError(f"{name} must be a positive int (at most {SIZE_MAX}), got {v!r}")
+        bias = check_bool(bias, "bias")
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
         if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
@@ -770,6 +772,7 @@ def pruning_rates(model: nn.Module) -> Dict[str, float]:
     network (``C_out C_in/groups kh kw`` for an FB layer, also when its
     dictionary has ``N != kh kw`` elements). Every distinct basis counts once.
     """
+    check_module(model, "model")
     nonzero = total = 0
     for _, w, n in _prunable(model):
         nonzero += int((w != 0).sum())
@@ -795,6 +798,9 @@ def interspace_flops(model: nn.Module, example_input: Tensor) -> Dict[str, float
     each flag is restored afterwards as it was (set directly, without calling
     ``train()``), also on an error.
     """
+    check_module(model, "model")
+    if not isinstance(example_input, Tensor):
+        raise TypeError(f"example_input must be a Tensor, got {type(example_input).__name__}")
     out = dict(dense=0.0, sparse=0.0, basis_overhead=0.0)
     hooks = []
 
@@ -846,6 +852,13 @@ def sparse_storage(numel: int, nonzero: int, value_bits: int = 32, index_bits: i
       ``numel (H(p) + (1-p) value_bits) / 8`` with ``H(p) = -p log2 p - (1-p) log2(1-p)``,
       i.e. ``H(p)/32 + (1-p)`` of the dense size for 32-bit values.
     """
+    numel = check_int(numel, "numel", None, SIZE_MAX)
+    nonzero = check_int(nonzero, "nonzero", 0, SIZE_MAX)
+    value_bits = check_int(value_bits, "value_bits", 1, 1 << 16)
+    index_bits = check_int(index_bits, "index_bits", 1, 1 << 16)
+    rows = check_int(rows, "rows", 0, SIZE_MAX)
+    if numel > 0 and nonzero > numel:
+        raise ValueError(f"nonzero must be at most numel = {numel}, got {nonzero}")
     if numel <= 0:
         return dict(dense=0.0, csr=0.0, entropy=0.0)
     p = 1.0 - nonzero / numel
@@ -866,6 +879,9 @@ def interspace_report(model: nn.Module, example_input: Optional[Tensor] = None) 
     (``C_out C_in/groups kh kw`` per FB layer); ``csr`` and ``entropy`` the
     stored pruned tensors (an FB layer's ``C_out C_in/groups N`` masked
     coefficients); ``bases`` every distinct basis once, dense."""
+    check_module(model, "model")
+    if example_input is not None and not isinstance(example_input, Tensor):
+        raise TypeError(f"example_input must be a Tensor or None, got {type(example_input).__name__}")
     rates = pruning_rates(model)
     storage = dict(dense=0.0, csr=0.0, entropy=0.0)
     for _, w, n in _prunable(model):

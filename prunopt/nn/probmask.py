@@ -34,6 +34,7 @@ from torch.nn.utils import parametrize
 from prunopt.nn._jit import script_unsupported
 from prunopt.nn._wrapping import check_not_wrapped
 from prunopt.schedules import _real
+from prunopt.validation import check_bool, check_shape
 
 __all__ = [
     "gumbel_sigmoid",
@@ -73,6 +74,7 @@ def gumbel_sigmoid(theta: Tensor, tau: float, hard: bool = False, generator: Opt
     if not isinstance(theta, Tensor):
         raise TypeError(f"theta must be a tensor, got {type(theta).__name__}")
     tau = _real(tau, "tau")
+    hard = check_bool(hard, "hard")
     if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be a finite number > 0, got {tau}")
     if not theta.is_floating_point():
@@ -125,9 +127,10 @@ class ProbMask(nn.Module):
             raise ValueError(f"init must be in [0, 1], got {init}")
         if not (math.isfinite(tau) and tau > 0):
             raise ValueError(f"tau must be a finite number > 0, got {tau}")
-        self.scores = nn.Parameter(torch.full(tuple(shape), float(init), dtype=dtype, device=device))
+        shape, hard = check_shape(shape), check_bool(hard, "hard")
+        self.scores = nn.Parameter(torch.full(shape, float(init), dtype=dtype, device=device))
         self.tau = float(tau)
-        self.hard = bool(hard)
+        self.hard = hard
         self.register_buffer("fixed", torch.zeros(0, dtype=torch.bool, device=device), persistent=True)
 
     def mask(self) -> Tensor:
@@ -355,6 +358,7 @@ def apply_probmask(model: nn.Module, layer_types: Tuple[Type[nn.Module], ...] = 
         raise ValueError(f"init must be in [0, 1], got {init}")
     if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be a finite number > 0, got {tau}")
+    hard = check_bool(hard, "hard")
     if isinstance(exclude, str):
         raise TypeError(f"exclude must be an iterable of module names, not a string ({exclude!r}); "
                         f"write [{exclude!r}]")

@@ -20,23 +20,25 @@ from torch import Tensor, nn
 from prunopt.nn._jit import script_unsupported
 from prunopt.nn.sparsification import _safe_pow
 from prunopt.ops import rgf_relu, sparse_gate
+from prunopt.validation import SIZE_MAX, check_real
 
 __all__ = ["SparseEdges", "SparseAdjacency", "balanced_normalize", "adjacency_regularizer"]
 
 
-def _check_count(v, name: str, lo: int) -> int:
+def _check_count(v, name: str, lo: int, hi: Optional[int] = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if v < lo:
         raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be at most {hi}, got {v}")
     return v
 
 
 def _check_rgf_alpha(rgf_alpha) -> float:
-    if isinstance(rgf_alpha, bool) or not isinstance(rgf_alpha, (int, float)) or not math.isfinite(rgf_alpha) \
-            or rgf_alpha < 0:
+    if isinstance(rgf_alpha, bool) or not isinstance(rgf_alpha, (int, float)):
         raise ValueError(f"rgf_alpha must be a finite number >= 0, got {rgf_alpha!r}")
-    return float(rgf_alpha)
+    return check_real(rgf_alpha, "rgf_alpha", 0.0)  # (an int beyond the float range: ValueError too)
 
 
 def _paper_threshold_logit(n: int) -> float:
@@ -118,7 +120,7 @@ def adjacency_regularizer(A: Tensor, p: float = 0.5) -> Tensor:
     zero entries and zero rows; a NaN entry gives a NaN result. Batched over
     leading dimensions (summed).
     """
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0.0 < p < 1.0:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p < 1.0:  # (exact for any int)
         raise ValueError(f"adjacency_regularizer needs 0 < p < 1 (eq. 14), got p={p!r}")
     if not isinstance(A, Tensor) or not A.is_floating_point():
         raise TypeError("A must be a floating tensor")
@@ -160,8 +162,8 @@ class SparseEdges(nn.Module):
     def __init__(self, in_nodes: int, out_nodes: int, bias: bool = False, rgf: bool = True,
                  rgf_alpha: float = 0.1, device=None, dtype=None):
         super().__init__()
-        self.in_nodes = _check_count(in_nodes, "in_nodes", 1)
-        self.out_nodes = _check_count(out_nodes, "out_nodes", 1)
+        self.in_nodes = _check_count(in_nodes, "in_nodes", 1, SIZE_MAX)
+        self.out_nodes = _check_count(out_nodes, "out_nodes", 1, SIZE_MAX)
         if not isinstance(bias, bool) or not isinstance(rgf, bool):
             raise TypeError("bias and rgf must be bools")
         self.rgf, self.rgf_alpha = rgf, _check_rgf_alpha(rgf_alpha)
@@ -232,7 +234,7 @@ class SparseAdjacency(nn.Module):
     def __init__(self, num_nodes: int, iters: int = 20, rgf: bool = True, rgf_alpha: float = 0.1,
                  mask: Optional[Tensor] = None, device=None, dtype=None):
         super().__init__()
-        self.num_nodes = _check_count(num_nodes, "num_nodes", 2)
+        self.num_nodes = _check_count(num_nodes, "num_nodes", 2, SIZE_MAX)
         self.iters = _check_count(iters, "iters", 1)
         if not isinstance(rgf, bool):
             raise TypeError("rgf must be a bool")

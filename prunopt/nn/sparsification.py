@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from prunopt.nn._jit import script_unsupported
 from prunopt.nn._swap import swap_modules
 from prunopt.ops import sparse_gate
+from prunopt.validation import check_bool, check_module, check_real, check_size
 
 __all__ = [
     "SparseGate",
@@ -135,6 +136,14 @@ def _solve_half_gates(n: int, dtype: torch.dtype, device) -> Tuple[Tensor, Tenso
     return _key_float(a_key, dtype), _key_float(key, dtype)
 
 
+def _whole(t: Tensor) -> Tensor:
+    """``t.full_tensor()`` for a DTensor (differentiable: each shard gets its
+    block of the gradient), else ``t``."""
+    from prunopt.distributed import is_distributed_tensor
+
+    return t.full_tensor() if is_distributed_tensor(t) else t
+
+
 class SparseGate(nn.Module):
     r"""Gates :math:`a \in \mathbb{R}^n` of one competition group (DS eq. 9-12).
 
@@ -155,6 +164,13 @@ class SparseGate(nn.Module):
 
     ``rgf=True`` uses the elu(``rgf_alpha``) surrogate gradient of eq. 15 so
     that dropped components keep learning. Calling the module returns ``a``.
+
+    Called outside an FSDP2 forward, where ``alpha`` is a DTensor shard (a
+    regulariser, :func:`gate_density`), the gate gathers ``alpha`` whole
+    (``full_tensor``, one value per gate; differentiable) and returns a plain
+    tensor, the same on every rank. ``beta`` is 0-dim, which ``fully_shard``
+    does not shard: leave it out (``ignored_params``) and average its
+    gradient over the ranks, as ``prunopt train --fsdp`` does.
     """
 
     __prepare_scriptable__ = script_unsupported  # torch.jit.script: a clear error (prunopt.nn._jit)
@@ -166,10 +182,12 @@ class SparseGate(nn.Module):
             raise TypeError(f"num_gates must be an int, got {type(num_gates).__name__}")
         if num_gates < 1:
             raise ValueError(f"num_gates must be >= 1 (an empty group has no gates), got {num_gates}")
+        check_size(num_gates, "num_gates")
         if not isinstance(signed, bool) or not isinstance(rgf, bool):
             raise TypeError("signed and rgf must be bools")
-        if not (isinstance(rgf_alpha, (int, float)) and math.isfinite(rgf_alpha) and rgf_alpha >= 0):
+        if isinstance(rgf_alpha, bool) or not isinstance(rgf_alpha, (int, float)):
             raise ValueError(f"rgf_alpha must be a finite number >= 0, got {rgf_alpha!r}")
+        rgf_alpha = check_real(rgf_alpha, "rgf_alpha", 0.0)
         self.num_gates, self.signed, self.rgf, self.rgf_alpha = num_gates, signed, rgf, float(rgf_alpha)
         dtype = dtype or torch.get_default_dtype()
         self.alpha = nn.Parameter(torch.zeros(num_gates, dtype=dtype, device=device))
@@ -212,7 +230,12 @@ class SparseGate(nn.Module):
         self.beta.fill_(b.item())
 
     def forward(self) -> Tensor:
-        return sparse_gate(self.alpha, self.beta, signed=self.signed, rgf=self.rgf, rgf_alpha=self.rgf_alpha)
+        alpha, beta = self.alpha, self.beta
+        # Outside an FSDP2 forward the parameters are DTensor shards: every gate depends on the
+        # whole ||alpha||_1, so the (one value per channel) vector is gathered, differentiably
+        alpha = _whole(alpha)
+        beta = _whole(beta)
+        return sparse_gate(alpha, beta, signed=self.signed, rgf=self.rgf, rgf_alpha=self.rgf_alpha)
 
     def extra_repr(self) -> str:
         return f"{self.num_gates}, signed={self.signed}, rgf={self.rgf}"
@@ -250,6 +273,9 @@ class SparseBatchNorm2d(nn.BatchNorm2d):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  track_running_stats: bool = True, signed: bool = True, rgf: bool = True, rgf_alpha: float = 0.1,
                  device=None, dtype=None):
+        # (checked before BatchNorm2d allocates its statistics)
+        check_size(num_features, "num_features")
+        check_bool(track_running_stats, "track_running_stats")
         super().__init__(num_features, eps=eps, momentum=momentum, affine=False,
                          track_running_stats=track_running_stats, device=device, dtype=dtype)
         # no weight/bias entries at all (affine=False registers them as None): see __getattr__
@@ -434,6 +460,10 @@ def convert_to_sparse_batchnorm(model: nn.Module, preserve: bool = True, signed:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    preserve, signed, rgf = check_bool(preserve, "preserve"), check_bool(signed, "signed"), check_bool(rgf, "rgf")
+    if isinstance(rgf_alpha, bool) or not isinstance(rgf_alpha, (int, float)):
+        raise ValueError(f"rgf_alpha must be a finite number >= 0, got {rgf_alpha!r}")
+    check_real(rgf_alpha, "rgf_alpha", 0.0)
     if signed is False and preserve:
         raise ValueError("preserve=True needs signed gates (non-negative gates sum to 1 and cannot equal BN weights)")
 
@@ -513,6 +543,7 @@ def _to_sync_sparse(m: SparseBatchNorm2d, process_group) -> SyncSparseBatchNorm2
 
 def sparse_gates(model: nn.Module) -> List[Tensor]:
     """The gate vectors of every :class:`SparseGate` in ``model`` (differentiable)."""
+    check_module(model, "model")
     return [m() for m in model.modules() if isinstance(m, SparseGate)]
 
 
@@ -530,7 +561,7 @@ def l1_regularizer(gates: TensorOrList) -> Tensor:
     if not gs:
         raise ValueError("gates is empty")
     if any(g.numel() == 0 for g in gs):
-        raise ValueError("l1_regularizer: empty group (a gate tensor has 0 entries)")
+        raise ValueError("l1_regularizer: empty group (a tensor of gates has 0 entries)")
     return sum(g.abs().sum() for g in gs)
 
 
@@ -567,7 +598,7 @@ def group_l21_regularizer(gates: TensorOrList, group_size: Optional[int] = None)
     for g in gs:
         n = g.shape[-1] if g.dim() else 1
         if g.numel() == 0:
-            raise ValueError("group_l21_regularizer: empty group (a gate tensor has 0 entries)")
+            raise ValueError("group_l21_regularizer: empty group (a tensor of gates has 0 entries)")
         size = n if group_size is None else group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"group_size must be a positive int (an empty group is not allowed), got {group_size!r}")
@@ -583,8 +614,9 @@ def lp_regularizer(gates: TensorOrList, p: float = 0.5) -> Tensor:
     normalised non-negative gates the l1 norm is constant, so p < 1 is needed).
     The gradient is 0 at zero gates and at an all-zero group; a NaN gate gives a
     NaN result."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p):
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise ValueError(f"p must be a finite number in (0, 1), got {p!r}")
+    p = check_real(p, "p")  # (finite; an int beyond the float range is a ValueError)
     if not 0.0 < p < 1.0:
         raise ValueError(f"lp_regularizer needs 0 < p < 1 (p >= 1 is not the sparsifying lp of eq. 14), got p={p}")
     gs = _as_list(gates)
@@ -593,7 +625,7 @@ def lp_regularizer(gates: TensorOrList, p: float = 0.5) -> Tensor:
     total = 0
     for g in gs:
         if g.numel() == 0:
-            raise ValueError("lp_regularizer: empty group (a gate tensor has 0 entries)")
+            raise ValueError("lp_regularizer: empty group (a tensor of gates has 0 entries)")
         total = total + _safe_pow(_safe_pow(g.abs(), p).sum(), 1.0 / p)
     return total
 
@@ -605,8 +637,9 @@ def cubic_strength(t: float, lam_i: float, lam_f: float, t0: float, n: float) ->
 
     for :math:`t_0 \le t \le t_0 + n`, :math:`\lambda_i` before and :math:`\lambda_f` after."""
     for name, v in (("t", t), ("lam_i", lam_i), ("lam_f", lam_f), ("t0", t0), ("n", n)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{name} must be a finite number, got {v!r}")
+        check_real(v, name)
     if n <= 0:
         raise ValueError(f"n (the ramp length) must be > 0, got {n}")
     frac = min(max((t - t0) / n, 0.0), 1.0)
@@ -673,6 +706,7 @@ def remove_channels(model: nn.Module, example_input=None, atol: float = 1e-5) ->
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if example_input is not None and not isinstance(example_input, (Tensor, tuple)):
         raise TypeError(f"example_input must be a Tensor or a tuple of inputs, got {type(example_input).__name__}")
+    atol = check_real(atol, "atol", 0.0)
     modes = [(m, m.training) for m in model.modules()]  # each module's own flag, restored at the end
     model.eval()
     try:

@@ -11,10 +11,12 @@ import torch
 from torch import Tensor
 
 from prunopt._extension import extension_available
+from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import _kernel_devices
 from prunopt.reference.gates import rgf_relu_composed, sparse_gate_composed, two_temperature_sigmoid_composed
 from prunopt.validation import check_float_tensor as _check_float_tensor
 from prunopt.validation import check_number as _check_number
+from prunopt.validation import check_opmath_range as _check_range
 
 __all__ = ["rgf_relu", "sparse_gate", "two_temperature_sigmoid"]
 
@@ -36,10 +38,11 @@ def rgf_relu(x: Tensor, alpha: float = 0.1) -> Tensor:
 
     Raises:
         TypeError: ``x`` not a tensor, ``alpha`` not a number.
-        ValueError: integer ``x``; negative or non-finite ``alpha``.
+        ValueError: integer ``x``; negative or non-finite ``alpha``, or one
+            above float32's range for a float16/bfloat16/float32 ``x``.
     """
     _check_float_tensor(x, "x")
-    alpha = _check_number(alpha, "alpha", 0.0, True)
+    alpha = _check_range(_check_number(alpha, "alpha", 0.0, True), "alpha", x.dtype)
     if x.device.type in _RGF_DEVICES:
         return torch.ops.prunopt.rgf_relu(x, alpha)
     return rgf_relu_composed(x, alpha)
@@ -67,7 +70,9 @@ def sparse_gate(
     Raises:
         TypeError: non-tensor inputs or flags of the wrong type.
         ValueError: integer tensors, an empty group (size 0 along ``dim``), a
-            ``beta`` of the wrong shape/dtype/device, a bad ``rgf_alpha``.
+            ``beta`` of the wrong shape/dtype/device, a bad ``rgf_alpha`` (negative,
+            not finite, or above float32's range for a float16/bfloat16/float32
+            ``alpha``).
     """
     _check_float_tensor(alpha, "alpha")
     _check_float_tensor(beta, "beta")
@@ -75,7 +80,7 @@ def sparse_gate(
         raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
     if not isinstance(rgf, bool):
         raise TypeError(f"rgf must be a bool, got {type(rgf).__name__}")
-    rgf_alpha = _check_number(rgf_alpha, "rgf_alpha", 0.0, True) if rgf else 0.0
+    rgf_alpha = _check_range(_check_number(rgf_alpha, "rgf_alpha", 0.0, True), "rgf_alpha", alpha.dtype) if rgf else 0.0
     if alpha.dim() == 0:
         raise ValueError("alpha must have at least one dimension (the group of gates)")
     if not isinstance(dim, int) or isinstance(dim, bool) or not -alpha.dim() <= dim < alpha.dim():
@@ -115,11 +120,13 @@ def two_temperature_sigmoid(w: Tensor, t_l: float = 1000.0, t_s: Optional[float]
 
     Raises:
         TypeError: ``w`` not a tensor or a temperature not a number.
-        ValueError: integer ``w``; a temperature that is not finite and > 0.
+        ValueError: integer ``w``; a temperature that is not finite and > 0, or
+            above float32's range for a float16/bfloat16/float32 ``w`` (the
+            kernels compute in float32 there).
     """
     _check_float_tensor(w, "w")
-    t_l = _check_number(t_l, "t_l", 0.0, False)
-    t_s = t_l / 100.0 if t_s is None else _check_number(t_s, "t_s", 0.0, False)
+    t_l = _check_range(_check_number(t_l, "t_l", 0.0, False), "t_l", w.dtype)
+    t_s = t_l / 100.0 if t_s is None else _check_range(_check_number(t_s, "t_s", 0.0, False), "t_s", w.dtype)
     if w.device.type in _TTS_DEVICES:
         return torch.ops.prunopt.two_temperature_sigmoid(w, t_l, t_s)
     return two_temperature_sigmoid_composed(w, t_l, t_s)
@@ -127,21 +134,29 @@ def two_temperature_sigmoid(w: Tensor, t_l: float = 1000.0, t_s: Optional[float]
 
 if extension_available():
 
+    # (each fake runs the real kernel's argument checks first: prunopt/ops/_fake_checks.py)
     @torch.library.register_fake("prunopt::rgf_relu")
     def _rgf_relu_fake(x, alpha):
+        _fc.check_float_tensor(x, "x", "rgf_relu")
+        _fc.check_rgf_alpha(alpha, x.dtype, "rgf_relu")
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("prunopt::rgf_relu_backward")
     def _rgf_relu_backward_fake(grad, x, alpha):
+        _fc.check_float_tensor(x, "x", "rgf_relu_backward")
+        _fc.check_like(grad, x, "grad", "x", "rgf_relu_backward")
+        _fc.check_rgf_alpha(alpha, x.dtype, "rgf_relu_backward")
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("prunopt::sparse_gate")
     def _sparse_gate_fake(alpha, beta, signed, rgf_alpha):
-        torch._check(alpha.dim() == 2, lambda: "sparse_gate: alpha must be 2-D")
+        _fc.check_gate(alpha, beta, rgf_alpha, "sparse_gate")
         return torch.empty_like(alpha, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("prunopt::sparse_gate_backward")
     def _sparse_gate_backward_fake(grad, alpha, beta, signed, rgf_alpha):
+        _fc.check_gate(alpha, beta, rgf_alpha, "sparse_gate_backward")
+        _fc.check_like(grad, alpha, "grad", "alpha", "sparse_gate_backward")
         return (
             torch.empty_like(alpha, memory_format=torch.contiguous_format),
             torch.empty_like(beta, memory_format=torch.contiguous_format),
@@ -149,10 +164,16 @@ if extension_available():
 
     @torch.library.register_fake("prunopt::two_temperature_sigmoid")
     def _tts_fake(w, t_l, t_s):
+        _fc.check_float_tensor(w, "w", "two_temperature_sigmoid")
+        _fc.check_temperature(t_l, "t_l", w.dtype, "two_temperature_sigmoid")
+        _fc.check_temperature(t_s, "t_s", w.dtype, "two_temperature_sigmoid")
         return torch.empty_like(w, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("prunopt::two_temperature_sigmoid_backward")
     def _tts_backward_fake(grad, w, t_s):
+        _fc.check_float_tensor(w, "w", "two_temperature_sigmoid_backward")
+        _fc.check_like(grad, w, "grad", "w", "two_temperature_sigmoid_backward")
+        _fc.check_temperature(t_s, "t_s", w.dtype, "two_temperature_sigmoid_backward")
         return torch.empty_like(w, memory_format=torch.contiguous_format)
 
     def _rgf_setup(ctx, inputs, output):

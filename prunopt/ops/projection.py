@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from prunopt._extension import extension_available
+from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.projection import project_budget_reference
 from prunopt.validation import validate_projection_args
@@ -73,10 +74,15 @@ def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrL
     written, so on error ``theta`` is unchanged. The tensors of ``theta`` must
     not share memory with each other (the same tensor twice, overlapping
     views) or within themselves (e.g. an ``expand()``-ed tensor): that is a
-    ``ValueError`` (checked in eager mode). Returns ``theta``.
+    ``ValueError`` (checked in eager mode). As for PyTorch's own in-place
+    ops, a tensor that requires grad (a leaf such as a parameter, a view of
+    one, or part of a graph) can only be written with grad mode off (under
+    ``torch.no_grad()``, as optimizer steps run): otherwise ``RuntimeError``,
+    before anything is written. Returns ``theta``.
     """
     thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
     if not torch.compiler.is_compiling():
+        _check_grad_writes(thetas)
         _check_no_overlap(thetas)
     if _use_kernel(thetas):
         torch.ops.prunopt.project_budget_(thetas, costs, budget)
@@ -86,6 +92,28 @@ def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrL
             for t, o in zip(thetas, outs):
                 t.copy_(o)
     return theta
+
+
+def _check_grad_writes(thetas: List[Tensor], name: str = "theta", op: str = "project_budget_",
+                       grad_enabled: Optional[bool] = None) -> None:
+    """RuntimeError, as ATen's in-place ops give, for a tensor that requires
+    grad written with grad mode on (the projection is not differentiable, so a
+    write into a graph would be ignored by its gradient). The compiled op's
+    Autograd kernel checks the same (csrc/autograd/inplace_version.cpp).
+    ``grad_enabled``: the grad mode of the caller (default: the current one)."""
+    if not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
+        return
+    for i, t in enumerate(thetas):
+        if not t.requires_grad:
+            continue
+        if t.is_leaf:
+            raise RuntimeError(f"{op}: {name}[{i}]: a leaf Variable that requires grad is being used in an in-place "
+                               "operation.")
+        if t._base is not None and t._base.is_leaf:
+            raise RuntimeError(f"{op}: {name}[{i}]: a view of a leaf Variable that requires grad is being used in an "
+                               "in-place operation.")
+        raise RuntimeError(f"{op}: {name}[{i}] requires grad, but the op writes it in place and is not "
+                           "differentiable: call it under torch.no_grad() or on a detached tensor")
 
 
 def _element_offsets(t: Tensor) -> Tensor:
@@ -138,12 +166,16 @@ def _check_no_overlap(thetas: List[Tensor], name: str = "theta") -> None:
 
 if extension_available():
 
+    # (the real kernel's argument checks on the metadata: prunopt/ops/_fake_checks.py)
     @torch.library.register_fake("prunopt::project_budget")
     def _project_budget_fake(theta, cost, budget):
+        _fc.check_projection(theta, cost, budget, "project_budget")
         return [torch.empty_like(t) for t in theta]
 
     @torch.library.register_fake("prunopt::project_budget_")
     def _project_budget_inplace_fake(theta, cost, budget):
+        _fc.check_projection(theta, cost, budget, "project_budget_")
+        _fc.check_disjoint_writes([(f"theta[{i}]", t) for i, t in enumerate(theta)], "project_budget_")
         return None
 
     # The projection is not differentiable (a step, not a layer): its Autograd

@@ -14,12 +14,14 @@ Kernels: ``csrc/cpu/prunadag.cpp``, ``csrc/cuda/prunadag.cu``; reference:
 :mod:`prunopt.reference.prunadag`."""
 from __future__ import annotations
 
+import math
 from typing import List
 
 import torch
 from torch import Tensor
 
 from prunopt._extension import extension_available
+from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.prunadag import topk_threshold_reference as _topk_threshold_reference
 
@@ -101,6 +103,10 @@ def topk_bracket(values: TensorOrList, lo: float, hi: float):
     for name, b in (("lo", lo), ("hi", hi)):
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise TypeError(f"{name} must be a real number, got {type(b).__name__}")
+        try:
+            float(b)
+        except OverflowError:  # an int beyond the float range
+            raise ValueError(f"{name} must be a float, got an integer beyond the float range") from None
     if not (0.0 <= lo <= hi):
         raise ValueError(f"the bracket must satisfy 0 <= lo <= hi, got lo={lo}, hi={hi}")
     for i, v in enumerate(vals):
@@ -137,6 +143,13 @@ def prunadag_norms(params: List[Tensor], grads: List[Tensor], hyper: Tensor, tau
 
     if not isinstance(tau, Tensor) or tau.dtype != torch.float64 or tau.numel() != 1:
         raise TypeError("tau must be a one-element float64 tensor")
+    for name, lst in (("params", params), ("grads", grads)):
+        if not isinstance(lst, (list, tuple)) or not all(isinstance(t, Tensor) for t in lst):
+            raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
+    if not isinstance(hyper, Tensor):
+        raise TypeError(f"hyper must be a float64 tensor, got {type(hyper).__name__}")
+    # (every other check is the op's, on every device: _fake_checks.check_prunadag_norms)
+    _fc.check_prunadag_norms(list(params), list(grads), hyper, tau)
     if params and params[0].device.type in _NORMS_DEVICES:
         return torch.ops.prunopt.prunadag_norms(params, grads, hyper, tau)
     rows = hyper.detach().cpu().tolist()
@@ -150,31 +163,36 @@ _NORMS_DEVICES = _kernel_devices("prunadag_norms")
 
 if extension_available():
 
+    # (each fake runs the real kernel's argument checks on the metadata first:
+    # prunopt/ops/_fake_checks.py)
     @torch.library.register_fake("prunopt::topk_bracket")
     def _topk_bracket_fake(values, lo, hi):
-        if not values:
-            raise ValueError("topk_bracket: values must not be empty")
-        if not (0.0 <= lo <= hi):
-            raise ValueError(f"topk_bracket: the bracket must satisfy 0 <= lo <= hi, got lo={lo}, hi={hi}")
+        _fc.check_topk_values(values, "topk_bracket")
+        if not (math.isfinite(lo) and lo >= 0.0):
+            raise ValueError(f"topk_bracket: lo must be finite and >= 0, got {lo}")
+        if not hi >= lo:
+            raise ValueError(f"topk_bracket: hi must be >= lo (inf allowed), got lo={lo}, hi={hi}")
+        dtype = values[0].dtype
+        if not (_fc.representable(lo, dtype) and _fc.representable(hi, dtype)):
+            raise ValueError(f"topk_bracket: lo and hi must be values of the values' dtype, got lo={lo}, hi={hi}")
         n = torch.library.get_ctx().new_dynamic_size()
         return values[0].new_empty((), dtype=torch.int64), values[0].new_empty(n)
 
     @torch.library.register_fake("prunopt::prunadag_norms")
     def _prunadag_norms_fake(params, grads, hyper, tau):
-        if len(grads) != len(params):
-            raise ValueError(f"prunadag_norms: grads must have {len(params)} tensors, got {len(grads)}")
-        if tau.dtype != torch.float64 or tau.numel() != 1:
-            raise ValueError("prunadag_norms: tau must be a one-element float64 tensor")
+        _fc.check_prunadag_norms(params, grads, hyper, tau)
         return hyper.new_empty(3)
 
     @torch.library.register_fake("prunopt::topk_threshold")
     def _topk_threshold_fake(values, k):
+        _fc.check_topk_values(values, "topk_threshold")
+        n = sum(v.numel() for v in values)
+        if not 1 <= k <= n:
+            raise ValueError(f"topk_threshold: k must be in [1, n={n}], got {k}")
         return values[0].new_empty(())
 
     @torch.library.register_fake("prunopt::prunadag_step_")
     def _prunadag_step_fake(params, opt_sums, dec_sums, grads, hyper, relevant, version, found_nonfinite=None,
                             selection=None):
-        if selection is not None and (selection.dtype != torch.float64 or selection.numel() != 2):
-            raise ValueError("prunadag_step_: selection must be a float64 tensor of 2 elements [tau, r], got "
-                             f"{selection.dtype} of shape {tuple(selection.shape)}")
+        _fc.check_prunadag_step(params, opt_sums, dec_sums, grads, hyper, version, found_nonfinite, selection)
         return None

@@ -66,6 +66,8 @@ class BudgetProjection:
         # optimizer, that step runs after optimizer.step() has moved the params
         if isinstance(params, Tensor):
             raise TypeError("params must be an iterable of tensors, got a single tensor: write [params]")
+        if isinstance(params, (str, bytes)) or not hasattr(params, "__iter__"):
+            raise TypeError(f"params must be an iterable of tensors, got {type(params).__name__}")
         self.params: List[Tensor] = list(params)
         if not self.params:
             raise ValueError("params must contain at least one tensor")
@@ -74,6 +76,8 @@ class BudgetProjection:
         if cost is not None:
             if isinstance(cost, Tensor):
                 raise TypeError("cost must be a sequence of tensors, one per parameter, got a single tensor")
+            if isinstance(cost, (str, bytes)) or not hasattr(cost, "__iter__"):
+                raise TypeError(f"cost must be a sequence of tensors, one per parameter, got {type(cost).__name__}")
             cost = list(cost)
             _check_cost(cost, self.params)
         self.cost = cost

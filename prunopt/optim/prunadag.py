@@ -84,10 +84,16 @@ def _check_hyper(group: dict) -> None:
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{key} must be a real number, got {type(v).__name__}")
+        try:
+            v = float(v)
+        except OverflowError:  # an int beyond the float range, e.g. 10**400
+            raise ValueError(f"Invalid {label}: an integer beyond the float range ({key} must be a finite number "
+                             ">= 0)") from None
         if not (v >= 0.0) or math.isinf(v):
             raise ValueError(f"Invalid {label}: {v} ({key} must be a finite number >= 0)")
     _check_relevant(group["relevant"])
-    if group["version"] not in VERSIONS or isinstance(group["version"], bool):
+    version = group["version"]
+    if not isinstance(version, (str, numbers.Integral)) or isinstance(version, bool) or version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {group['version']!r}")
     if group["scope"] not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {group['scope']!r}")
@@ -776,6 +782,10 @@ class PrunAdag(torch.optim.Optimizer):
         state = self.state[p]
         if len(state) == 0:
             v = group["initial_accumulator_value"]
+            # (full_like's overflow error would not name the argument)
+            if p.is_floating_point() and abs(float(v)) > torch.finfo(p.dtype).max:
+                raise ValueError(f"initial_accumulator_value must be at most {torch.finfo(p.dtype).max:g} for "
+                                 f"{p.dtype} parameters (the accumulators have their dtype), got {v:g}")
             # on the device for CUDA params, so that a skipped step needs no sync
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if p.is_cuda else None)
             state["sum"] = torch.full_like(p, v, memory_format=torch.preserve_format)

@@ -303,7 +303,10 @@ class SFW(torch.optim.Optimizer):
 def _real(key, v) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{key} must be a real number, got {type(v).__name__}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"{key} must be a finite number, got an integer beyond the float range") from None
 
 
 def _check_sfw_hyper(h: dict) -> dict:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from prunopt.pruning import _dist
+from prunopt.validation import check_list
 
 __all__ = ["magnitude_prune_", "magnitude_masks", "rho_omega", "sparsity"]
 
@@ -85,6 +86,14 @@ def rho_omega(f: Callable[[Sequence[Tensor]], Tensor], x: Sequence[Tensor], x_pr
     ``f`` maps a list of tensors to a scalar tensor; gradients are taken with
     autograd at the pruned point ``x_pruned`` (in float64 when given float64).
     """
+    x, x_pruned = check_list(x, "x", torch.Tensor, "tensors"), check_list(x_pruned, "x_pruned", torch.Tensor, "tensors")
+    for name, v in (("x", x), ("x_pruned", x_pruned)):
+        for i, t in enumerate(v):
+            if not t.is_floating_point():
+                raise TypeError(f"{name}[{i}] must be a floating-point tensor, got {t.dtype}")
+    if len(x) != len(x_pruned) or not len(x):
+        raise ValueError(f"x and x_pruned must be non-empty lists of the same length, got {len(x)} and "
+                         f"{len(x_pruned)} tensors")
     xs = [t.detach().clone().requires_grad_(True) for t in x_pruned]
     with torch.enable_grad():
         fp = f(xs)

@@ -42,6 +42,7 @@ from torch.nn.utils import parametrize
 
 from prunopt.nn._jit import script_unsupported
 from prunopt.pruning import _dist
+from prunopt.validation import check_bool, check_str_list
 
 __all__ = [
     "WeightMask",
@@ -162,6 +163,20 @@ def _names_match(pt: PrunableTensor, names: Iterable[str]) -> bool:
     return any(n in (pt.name, pt.module_name) for n in names)
 
 
+def check_optimizers(optimizers) -> List[torch.optim.Optimizer]:
+    """One optimizer or an iterable of them, as a list (TypeError naming ``optimizers``)."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if isinstance(optimizers, (str, bytes, torch.Tensor)) or not hasattr(optimizers, "__iter__"):
+        raise TypeError(f"optimizers must be a torch.optim.Optimizer or a sequence of them, got "
+                        f"{type(optimizers).__name__}")
+    out = list(optimizers)
+    for o in out:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(o).__name__}")
+    return out
+
+
 def prunable_tensors(
     model: nn.Module,
     include: Optional[Sequence[str]] = None,
@@ -191,6 +206,11 @@ def prunable_tensors(
             continue
         if isinstance(names, str):
             raise TypeError(f"{argname} must be a sequence of layer names, not a string")
+        names = check_str_list(names, argname)
+        if argname == "include":
+            include = names
+        else:
+            exclude = names
         unknown = [n for n in names if not any(_names_match(pt, [n]) for pt in found.values())]
         if unknown:
             raise ValueError(
@@ -278,11 +298,13 @@ class Masker:
         self.process_group = process_group
         found = prunable_tensors(model, include, exclude)
         if not found:
+            if include is not None or exclude is not None:
+                raise ValueError("include/exclude leave no prunable tensor of the model")
             raise ValueError("model has no prunable tensors (Conv2d/Linear weights or FBConv2d coefficients)")
         self.optimizers: List[torch.optim.Optimizer] = []
         if optimizers is not None:
             self.attach(optimizers)
-        self.zero_state_every_step = bool(zero_state_every_step)
+        self.zero_state_every_step = check_bool(zero_state_every_step, "zero_state_every_step")
         # everything is checked before any layer is changed: an error leaves the model as it was
         for pt in found.values():
             _check_maskable(pt)
@@ -305,8 +327,7 @@ class Masker:
     # ----------------------------------------------------------------- access
     def attach(self, optimizers) -> None:
         """Also keep the state of ``optimizers`` masked (one or a sequence)."""
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
+        optimizers = check_optimizers(optimizers)
         for o in optimizers:
             if not isinstance(o, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(o).__name__}")
@@ -676,6 +697,7 @@ def remove_masks(model: nn.Module, to_conv2d: bool = False) -> nn.Module:
     a ``ValueError``, raised before any layer is changed.  Returns ``model``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    to_conv2d = check_bool(to_conv2d, "to_conv2d")
     return _bake_masks(model, list(prunable_tensors(model).values()), to_conv2d)
 
 

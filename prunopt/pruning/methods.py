@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from prunopt.pruning import _dist
 from prunopt.pruning.masks import Masker
+from prunopt.validation import SIZE_MAX, check_bool, check_real, check_str_list
 from prunopt.pruning.scores import _batches, grasp_scores, magnitude_scores, random_scores, snip_scores, synflow_scores
 from prunopt.pruning.selection import (
     check_sparsity,
@@ -153,6 +154,7 @@ def magnitude_prune(masker: Masker, sparsity: float, scope: str = "global", keep
     p = check_sparsity(sparsity)
     if scope not in ("global", "layerwise"):
         raise ValueError(f"scope must be 'global' or 'layerwise', got {scope!r}")
+    keep_pruned = check_bool(keep_pruned, "keep_pruned")
     scores = magnitude_scores(masker)
     if keep_pruned:
         new = _select_keeping_pruned(scores, masker.masks(), p, scope)
@@ -352,6 +354,7 @@ def lottery_ticket_trainings(sparsity: float, rate: float = 0.2) -> int:
     prunes ``rate`` of the remaining weights: ``1 + ceil(log(1-p) / log(1-rate))``
     (A.75 for ``rate = 0.2``: ``log 4 - log 5 = log 0.8``)."""
     p = check_sparsity(sparsity)
+    rate = check_real(rate, "rate")
     if not 0.0 < rate < 1.0:
         raise ValueError(f"rate must be in (0, 1), got {rate}")
     if p == 0.0:
@@ -397,6 +400,8 @@ class LotteryTicket(PruningMethod):
             dense = [last.name] if isinstance(last.module, nn.Linear) else []
         elif isinstance(dense, str):
             raise TypeError("dense must be a sequence of layer names, not a string")
+        else:
+            dense = check_str_list(dense, "dense")
         self.dense = [masker[n].name for n in dense]  # validates names
         if sum(masker[n].parameter.numel() for n in self.prunable) == 0:
             raise ValueError(
@@ -518,10 +523,12 @@ def cosine_drop_fraction(t: int, total_steps: int, p_init: float = 0.5, p_min: f
     ``total_steps`` (``T``) is an int >= 1 and ``t`` a finite number >= 0;
     otherwise ``TypeError``/``ValueError`` naming the argument."""
     total_steps = _check_int(total_steps, "total_steps", 1)
+    if total_steps > SIZE_MAX:
+        raise ValueError(f"total_steps must be at most {SIZE_MAX}, got {total_steps}")
     if isinstance(t, bool) or not isinstance(t, numbers.Real):
         raise TypeError(f"t must be a real number, got {type(t).__name__}")
-    if not (math.isfinite(t) and t >= 0):
-        raise ValueError(f"t must be a finite number >= 0, got {t}")
+    t = check_real(t, "t", 0.0)
+    p_init, p_min = check_sparsity(p_init, "p_init"), check_sparsity(p_min, "p_min")
     return p_min + 0.5 * (p_init - p_min) * (1.0 + math.cos(math.pi * t / total_steps))
 
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils import prune as torch_prune
 
-from prunopt.pruning.masks import Masker, prunable_tensors
+from prunopt.pruning.masks import Masker, check_optimizers, prunable_tensors
 
 __all__ = ["from_torch_prune", "from_ao_sparsifier", "to_torch_prune"]
 
@@ -89,6 +89,10 @@ def _plan(model: nn.Module, found, include, exclude, source: str):
     ``include``/``exclude`` leave the layer out). A masked tensor that a
     Masker cannot hold is a ``ValueError`` naming it."""
     selected = prunable_tensors(model, include, exclude)
+    if not selected:  # (the Masker would refuse it after the masks were taken over)
+        raise ValueError("include/exclude leave no prunable tensor of the model" if include is not None
+                         or exclude is not None else "model has no prunable tensors (Conv2d/Linear weights or "
+                         "FBConv2d coefficients)")
     every = prunable_tensors(model)
     plan = []
     for mname, m, tname, *rest in found:
@@ -198,6 +202,8 @@ def from_torch_prune(model: nn.Module, optimizers=None, include: Optional[Sequen
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizers is not None:
+        check_optimizers(optimizers)  # before the checkpoint is loaded and the hooks are removed
     if state_dict is not None:
         _load_torch_prune_checkpoint(model, state_dict)
     plan = _plan(model, _pruning_hooks(model), include, exclude, "torch.nn.utils.prune")
@@ -242,6 +248,8 @@ def from_ao_sparsifier(model, optimizers=None, include: Optional[Sequence[str]] 
         model = model.model
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a torch.ao.pruning sparsifier, got {type(model).__name__}")
+    if optimizers is not None:
+        check_optimizers(optimizers)  # before the parametrizations are removed
     plan = _plan(model, _ao_masks(model), include, exclude, "a torch.ao.pruning sparsifier")
     masks = OrderedDict((key, mask.detach().clone()) for key, _, _, _, mask in plan if key is not None)
     for key, _, m, tname, _ in plan:

@@ -32,6 +32,7 @@ there (score before ``fully_shard``, or under DDP).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import OrderedDict
 from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -94,6 +95,8 @@ def _preserved(model: nn.Module, train: bool):
 def _batches(batches: Batches) -> List[Tuple[Tensor, Tensor]]:
     if isinstance(batches, tuple) and len(batches) == 2 and isinstance(batches[0], Tensor):
         batches = [batches]
+    if isinstance(batches, (str, bytes, Tensor)) or not hasattr(batches, "__iter__"):
+        raise TypeError(f"batches must be an iterable of (inputs, targets) pairs, got {type(batches).__name__}")
     out = list(batches)
     if not out:
         raise ValueError("batches must contain at least one (inputs, targets) pair")
@@ -186,7 +189,8 @@ def grasp_scores(
     ``-(H g) w``.  :class:`~prunopt.pruning.PruningAtInit` therefore ranks GraSP
     by ``-S`` (docs/pruning.md); this function returns ``S`` exactly as A.61/A.62
     define it."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or isinstance(temperature, int) \
+            and temperature > 2**1023 or not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     model, tensors = _resolve(target)
     batches = _batches(batches)
@@ -238,8 +242,12 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
     if isinstance(example_input, Tensor):
         if example_input.dim() == 0:
             raise ValueError("example_input must be a batch of inputs (at least 1-d)")
+        # (any dtype the model takes: token ids for a language model, where the
+        # all-ones input is token 1 everywhere; a model that cannot take it is a
+        # RuntimeError naming example_input, see _run_on)
         ones = torch.ones_like(example_input[:1])
-    elif isinstance(example_input, (tuple, list, torch.Size)) and all(isinstance(s, int) and s > 0 for s in example_input):
+    elif isinstance(example_input, (tuple, list, torch.Size)) and len(example_input) > 0 and all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 < s < 2**63 for s in example_input):
         p0 = params[0]
         ones = torch.ones((1, *example_input), dtype=p0.dtype, device=p0.device)
     else:
@@ -253,9 +261,9 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
                     t.abs_()
             with torch.enable_grad():
                 if _sharded(params):  # FSDP2: backward() (every rank computes the same R; averaged)
-                    grads = _backward_gradients(model, params, lambda: _logits(model(ones)).sum())
+                    grads = _backward_gradients(model, params, lambda: _logits(_run_on(model, ones)).sum())
                 else:
-                    grads = torch.autograd.grad(_logits(model(ones)).sum(), params, allow_unused=True)
+                    grads = torch.autograd.grad(_logits(_run_on(model, ones)).sum(), params, allow_unused=True)
             with torch.no_grad():
                 out = OrderedDict(
                     (n, torch.zeros_like(pt.parameter) if g is None else (g * pt.effective()).detach())
@@ -266,6 +274,16 @@ def synflow_scores(target: Target, example_input: Union[Tensor, Sequence[int]]) 
                 for t, s in zip(values, saved):
                     t.copy_(s)
     return out
+
+
+def _run_on(model: nn.Module, ones: Tensor):
+    """``model(ones)``; an input the model cannot take is a RuntimeError naming
+    ``example_input`` (the model's parameters are restored by the caller)."""
+    try:
+        return model(ones)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise RuntimeError(f"synflow: the model does not run on an input shaped like example_input "
+                           f"{tuple(ones.shape[1:])}: {e}") from e
 
 
 SCORES = {

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from prunopt.pruning import _dist
+from prunopt.validation import check_str_list
 
 __all__ = [
     "check_sparsity",
@@ -40,7 +41,10 @@ def check_sparsity(p, name: str = "sparsity") -> float:
     """Validate a pruning rate ``p`` in ``[0, 1]`` (a real number, not a bool)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__}")
-    p = float(p)
+    try:
+        p = float(p)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{name} must be in [0, 1], got an integer beyond the float range") from None
     if not (0.0 <= p <= 1.0) or math.isnan(p):
         raise ValueError(f"{name} must be in [0, 1], got {p}")
     return p
@@ -206,7 +210,7 @@ def erk_densities(
     d = check_sparsity(density, "density")
     if not isinstance(shapes, Mapping) or not shapes:
         raise ValueError("shapes must be a non-empty mapping of tensor names to shapes")
-    dense = set(dense or [])
+    dense = set(check_str_list(dense, "dense") or [])
     unknown = dense - set(shapes)
     if unknown:
         raise ValueError(f"dense: unknown layer name(s) {sorted(unknown)}")

@@ -12,7 +12,9 @@ from typing import Dict, Mapping, Union
 import torch
 from torch import Tensor, nn
 
+from prunopt.pruning import _dist
 from prunopt.pruning.masks import Masker, _distinct_tensors, prunable_tensors
+from prunopt.validation import SIZE_MAX
 
 __all__ = [
     "pruning_rates",
@@ -50,20 +52,27 @@ def pruning_rates(target: Union[Masker, nn.Module]) -> Dict[str, float]:
     shared basis counts once) and ``D`` the number of prunable weights of the
     equivalent standard network (``C_out C_in/groups kh kw`` for an FB layer,
     whatever its dictionary size ``N``; a tied tensor counts once).  For a model
-    without FB layers ``p_IP = p_SP``.  Returns ``{"p_sp", "p_ip", "D",
-    "nonzero", "basis_nonzero"}``.  A target without prunable tensors, or whose
-    prunable tensors are all empty, is a ``ValueError``."""
+    without FB layers ``p_IP = p_SP``.  Counts run over the global tensors for
+    FSDP2 shards (local counts summed over the ranks: a collective).  Returns
+    ``{"p_sp", "p_ip", "D", "nonzero", "basis_nonzero"}``.  A target without
+    prunable tensors, or whose prunable tensors are all empty, is a
+    ``ValueError``."""
     tensors = _tensors(target)
     with torch.no_grad():
-        nnz = sum(int(pt.effective().count_nonzero()) for pt in tensors.values())
+        # over the global tensors for FSDP2 shards (a DTensor's count_nonzero would be this rank's part)
+        nnz = _dist.global_count([pt.effective() for pt in tensors.values()], _nonzero)
         D = sum(pt.spatial_numel for pt in tensors.values())
         bases = {}
         for pt in tensors.values():
             if pt.interspace:
                 b = pt.module.basis.weight
                 bases[id(b)] = b
-        fb = sum(int(b.count_nonzero()) for b in bases.values())
+        fb = _dist.global_count(list(bases.values()), _nonzero)
     return {"p_sp": 1.0 - nnz / D, "p_ip": 1.0 - (nnz + fb) / D, "D": D, "nonzero": nnz, "basis_nonzero": fb}
+
+
+def _nonzero(t: Tensor) -> Tensor:
+    return t != 0
 
 
 def _index_dtype(max_value: int) -> torch.dtype:
@@ -140,8 +149,11 @@ def from_csr(c: CSRTensor) -> Tensor:
 
 def mask_entropy_bits(p: float) -> float:
     """``S = -p log2 p - (1 - p) log2 (1 - p)`` bits per mask entry (eq. A.2)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p must be a real number in [0, 1], got {type(p).__name__}")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1], got {p}")
+    p = float(p)
     return sum(-q * math.log2(q) for q in (p, 1.0 - p) if q > 0.0)
 
 
@@ -151,8 +163,8 @@ def entropy_bound(p: float, value_bits: int = 32) -> float:
     eq. A.2; ``value_bits = 32`` for float32).  ``value_bits`` is an int >= 1."""
     if isinstance(value_bits, bool) or not isinstance(value_bits, numbers.Integral):
         raise TypeError(f"value_bits must be an int, got {type(value_bits).__name__}")
-    if value_bits < 1:
-        raise ValueError(f"value_bits must be >= 1, got {value_bits}")
+    if not 1 <= value_bits <= SIZE_MAX:
+        raise ValueError(f"value_bits must be in [1, {SIZE_MAX}], got {value_bits}")
     return mask_entropy_bits(p) / value_bits + (1.0 - p)
 
 
@@ -162,12 +174,13 @@ def export_csr(target: Union[Masker, nn.Module]) -> Dict[str, object]:
     "entropy_bytes", "entropy_fraction", "sparsity"}`` where the entropy figures
     are the App. C bound ``d (S + (1-p) 32) / 8`` bytes (A.2).  A target
     without prunable tensors, or whose prunable tensors are all empty, is a
-    ``ValueError``."""
+    ``ValueError``.  Tensors sharded by FSDP2 are gathered whole, one at a
+    time (a collective: every rank calls this and gets the whole export)."""
     tensors = _tensors(target)
     out: Dict[str, CSRTensor] = OrderedDict()
     with torch.no_grad():
         for n, pt in tensors.items():
-            out[n] = to_csr(pt.effective())
+            out[n] = to_csr(_dist.full_tensor(pt.effective()))
     csr_bytes = sum(c.nbytes for c in out.values())
     dense_bytes = sum(c.dense_nbytes for c in out.values())
     d = sum(math.prod(c.shape) for c in out.values())

@@ -13,8 +13,9 @@ Two independent solvers live here:
   that root lies on the same piece (the free set is stable). Readable, float64,
   one host synchronisation per iteration. It is the fallback when the extension
   is missing.
-* :func:`project_budget_sort`: sorts all ``2n`` breakpoints and walks the pieces;
-  the "exact" solution the kernels are tested against.
+* :func:`project_budget_sort`: sorts all ``2n`` breakpoints, finds the piece that
+  holds the root by bisection over them (``phi`` evaluated directly at each) and
+  solves that linear piece; the "exact" solution the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -92,30 +93,31 @@ def _solve_lambda_sort(t: Tensor, c: Tensor, budget: float) -> float:
         return 0.0
     if budget == 0:
         return math.inf
-    # Crossing key2 = (t-1)/c upwards moves i from U to F; crossing key1 = t/c
-    # moves it from F to L. Changes of (sum_U c, sum_F c t, sum_F c^2):
-    keys = torch.cat([(t - 1) / c, t / c])
-    d_u = torch.cat([-c, torch.zeros_like(c)])
-    d_ct = torch.cat([c * t, -c * t])
-    d_cc = torch.cat([c * c, -c * c])
-    keys, order = torch.sort(keys, stable=True)
-    s_u = c.sum() + torch.cumsum(d_u[order], 0)
-    s_ct = torch.cumsum(d_ct[order], 0)
-    s_cc = torch.cumsum(d_cc[order], 0)
-    # phi just after breakpoint k (on the piece [keys[k], keys[k+1]])
-    phi_after = s_u + s_ct - keys * s_cc - budget
-    # first breakpoint >= 0 after which phi <= 0: the root lies on the piece before
-    k = int(torch.nonzero((phi_after <= 0) & (keys >= 0))[0].item())
-    lo = max(0.0, keys[k - 1].item()) if k > 0 else 0.0
-    hi = keys[k].item()
+    # The breakpoints: crossing (t-1)/c upwards moves i from U to F, crossing
+    # t/c moves it from F to L; phi is linear between two of them and does not
+    # increase. The piece holding the root is found by bisecting over the
+    # sorted breakpoints with phi evaluated directly at each (a sum of terms in
+    # [0, c_i], so no cancellation): running sums of the per-breakpoint changes
+    # cancel catastrophically when the scores span many orders of magnitude
+    # (1e36 next to 3 returned a point over the budget).
+    keys = torch.unique(torch.cat([(t - 1) / c, t / c]))  # sorted
+    keys = keys[keys > 0]
+    lo_i, hi_i = -1, keys.numel() - 1  # phi(keys[hi_i]) <= 0: the largest key is max(t/c)
+    while hi_i - lo_i > 1:
+        mid = (lo_i + hi_i) // 2
+        if projection_phi(t, c, keys[mid].item(), budget).item() > 0:
+            lo_i = mid
+        else:
+            hi_i = mid
+    lo = keys[lo_i].item() if lo_i >= 0 else 0.0
+    hi = keys[hi_i].item()
     if not hi > lo:
         return hi
-    # The root lies on the piece (lo, hi). Its sums are recomputed directly
-    # (pairwise-summed) rather than taken from the running cumsums, which would
-    # carry the rounding of every earlier breakpoint.
+    # phi(lo) > 0 >= phi(hi) and phi is linear on (lo, hi): the root of that
+    # piece, from sums taken directly over its sets
     upper, free = _piece(t, c, 0.5 * (lo + hi))
     lam = _piece_root(t, c, upper, free, budget)
-    if math.isnan(lam):
+    if math.isnan(lam):  # no free element: the breakpoints are adjacent in floating point
         return hi
     return min(max(lam, lo), hi)
 

@@ -58,6 +58,8 @@ class Report:
     sections: List[tuple] = field(default_factory=list)
     data: Dict[str, object] = field(default_factory=dict)
     wall_s: float = 0.0
+    #: CPU time of the process(es) that computed it (0: not recorded)
+    cpu_s: float = 0.0
 
     def claim(self, claim: str, paper, prunopt, verdict: str, note: str = "") -> Claim:
         c = Claim(claim, str(paper), str(prunopt), verdict, note)
@@ -80,7 +82,8 @@ class Report:
         head = [f"# {self.title}", "",
                 f"Command: `{self.command}`  ",
                 f"Seeds: {format_seeds(self.seeds)}; threads: {self.threads}; "
-                f"wall time {self.wall_s:.0f} s" + (f"; {settings}" if settings else ""), "",
+                f"wall time {self.wall_s:.0f} s" + (f", CPU time {self.cpu_s:.0f} s" if self.cpu_s else "")
+                + (f"; {settings}" if settings else ""), "",
                 "Verdicts: " + ", ".join(f"{counts[v]} {v}" for v in VERDICTS), "",
                 self.claims_markdown()]
         body = []
@@ -91,7 +94,8 @@ class Report:
     def to_json(self) -> dict:
         return {"name": self.name, "title": self.title, "command": self.command, "seeds": list(self.seeds),
                 "threads": self.threads, "settings": self.settings, "claims": [asdict(c) for c in self.claims],
-                "verdicts": self.verdict_counts(), "data": self.data, "wall_s": self.wall_s}
+                "verdicts": self.verdict_counts(), "data": self.data, "wall_s": self.wall_s,
+                "cpu_s": self.cpu_s}
 
     def write(self, out: str, figures: Optional[Dict[str, Callable[[str], None]]] = None) -> List[str]:
         """Prints the report and writes ``<out>/<name>.md``, ``<out>/<name>.json``
@@ -213,15 +217,19 @@ def deterministic(threads: int) -> Iterator[None]:
 
 
 class Timer:
-    """``with Timer() as t: ...; t.seconds``."""
+    """``with Timer() as t: ...; t.seconds``: the wall time of the block, and
+    ``t.cpu_seconds``, the CPU time the process spent in it (every thread)."""
 
     def __enter__(self):
         self.start = time.perf_counter()
+        self.cpu_start = time.process_time()
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         return self
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+        self.cpu_seconds = time.process_time() - self.cpu_start
         return False
 
 
@@ -241,12 +249,19 @@ def load_parts(dirs: str, name: str) -> List[dict]:
     return parts
 
 
-def pieces_section(rep: "Report", parts: Sequence[dict]) -> None:
-    """A section listing the command and wall time of every merged piece."""
-    rows = [[f"`{p['command']}`", f"{p['wall_s']:.0f}"] for p in parts]
+def pieces_section(rep: "Report", parts: Sequence[dict], how: Optional[str] = None) -> None:
+    """A section listing the command, wall time (and CPU time, where the piece
+    recorded it) of every merged piece. The merge cannot know how the
+    processes were scheduled (one after another, side by side, their
+    priority); ``how`` says it where the caller does."""
+    cpu = any(p.get("cpu_s") for p in parts)
+    rows = [[f"`{p['command']}`", f"{p['wall_s']:.0f}"] + ([f"{p.get('cpu_s', 0.0):.0f}"] if cpu else [])
+            for p in parts]
     total = sum(p["wall_s"] for p in parts)
-    rep.section("How it was run", f"{len(parts)} processes, one after another (`nice -n 10`), {total:.0f} s of wall "
-                "time in all; then the merge command above.\n\n" + markdown_table(["piece", "wall s"], rows))
+    cpu_total = f", {sum(p.get('cpu_s', 0.0) for p in parts):.0f} s of CPU time" if cpu else ""
+    rep.section("How it was run", f"{len(parts)} processes{', ' + how if how else ''}, {total:.0f} s of wall time summed over them"
+                f"{cpu_total}; then the merge command above.\n\n"
+                + markdown_table(["piece", "wall s"] + (["CPU s"] if cpu else []), rows))
 
 
 def same_setting(parts: Sequence[dict], key: str, what: str = "settings"):

@@ -15,12 +15,21 @@ a :class:`Job`, which hides how the run is laid out:
   BatchNorm statistics are per rank during a step, as in plain DDP, and
   rank 0's running statistics are broadcast after every epoch, so every rank
   evaluates the same model on the full test set and they all agree; the job
-  checks at the end that they hold the same weights. Rank 0 alone writes and
-  prints.
+  checks at the end that they hold the same weights (under ``--fsdp``: the
+  same buffers, masks among them, and parameters left whole). Rank 0 alone
+  writes and prints.
+* **Sharded models** (``--fsdp``). :meth:`Job.prepare` shards the model with
+  FSDP2 after the method's transformations; optimizers, projections and
+  pruning methods that keep parameters are built after it. A transformation
+  between phases (masks on a pre-trained network, a layer conversion) is
+  applied to :meth:`Job.plain_copy` of the trained model, which is then
+  prepared in its turn.
 * **Checkpoints.** With ``--out`` the job writes ``resume.pt`` into the run's
   staging directory after every epoch (``--checkpoint-every N``: every N-th):
   every tracked object's state, every rank's RNG states (torch, Python,
-  NumPy), the values and the history so far.
+  NumPy), the values and the history so far. Sharded models and their
+  optimizers are saved whole; other state holding shards (a lottery ticket's
+  rewind snapshot, an optimizer group) is saved as every rank's part.
 * **Exact resume** (``--resume``). The method's code runs again from the
   start in *replay*: every ``job.epochs(...)`` loop before the checkpoint's
   phase is empty, so the code between phases only rebuilds the same objects
@@ -191,12 +200,101 @@ def _is_fsdp(module) -> bool:
 
 
 def _fingerprint(module: nn.Module) -> str:
+    """A hash of the module's state that every rank holds whole (its state
+    dict without DTensor shards: all of it under DDP; buffers, masks and the
+    parameters left whole under FSDP2)."""
     h = hashlib.sha256()
     for name, t in list(module.state_dict().items()):
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not _is_dtensor(t):
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _is_dtensor(t) -> bool:
+    from prunopt.distributed import is_distributed_tensor
+
+    return is_distributed_tensor(t)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are empty tensors
+    on the meta device (no data is copied): the structure that
+    :meth:`Job.plain_copy` fills."""
+    memo = {}
+    for p in model.parameters(recurse=True):
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers(recurse=True):
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, value)
+
+
+#: key of a checkpointed state that holds every rank's own part (a list in rank order)
+_PER_RANK = "per_rank"
+_SHARD = "dtensor_local_shard"
+
+
+def _has_dtensor(obj) -> bool:
+    if _is_dtensor(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_dtensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dtensor(v) for v in obj)
+    return False
+
+
+def _placement_code(p) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(p, Shard) and type(p) is Shard:
+        return ["shard", int(p.dim)]
+    if isinstance(p, Replicate):
+        return ["replicate"]
+    raise NotImplementedError(f"checkpointing a DTensor placed {p!r} is not supported (Shard and Replicate only)")
+
+
+def _encode_shards(obj):
+    """``obj`` with every DTensor replaced by a plain dict of its local shard
+    (on the CPU) and layout, which ``torch.load(weights_only=True)`` reads."""
+    if _is_dtensor(obj):
+        return {_SHARD: obj.to_local().detach().cpu().clone(),
+                "placements": [_placement_code(p) for p in obj.placements],
+                "shape": list(obj.shape), "stride": list(obj.stride()), "requires_grad": bool(obj.requires_grad)}
+    if isinstance(obj, dict):
+        return type(obj)((k, _encode_shards(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_encode_shards(v) for v in obj)
+    return obj
+
+
+def _decode_shards(obj, mesh):
+    """Inverse of :func:`_encode_shards` on ``mesh`` (the job's device mesh)."""
+    if isinstance(obj, dict) and _SHARD in obj:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if mesh is None:
+            raise RuntimeError("the checkpoint holds sharded state but this job has no sharded model")
+        placements = [Shard(c[1]) if c[0] == "shard" else Replicate() for c in obj["placements"]]
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device(mesh.device_type)
+        t = DTensor.from_local(obj[_SHARD].to(device), mesh, placements, run_check=False,
+                               shape=torch.Size(obj["shape"]), stride=tuple(obj["stride"]))
+        return t.requires_grad_(obj["requires_grad"]) if obj["requires_grad"] else t
+    if isinstance(obj, dict):
+        return type(obj)((k, _decode_shards(v, mesh)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_decode_shards(v, mesh) for v in obj)
+    return obj
 
 
 class Job:
@@ -231,6 +329,9 @@ class Job:
         self._current: Optional[dict] = None
         self._bar = None
         self._prepared: Dict[int, tuple] = {}
+        self._skeletons: Dict[int, nn.Module] = {}
+        self._whole: Dict[int, List[nn.Parameter]] = {}  # parameters FSDP2 leaves whole
+        self._mesh = None  # the device mesh of the sharded models (--fsdp)
         self.checkpoints_written = 0
         seed_everything(args.seed)
 
@@ -298,9 +399,20 @@ class Job:
             return obj.get_state()
         if isinstance(obj, dict):
             return copy.deepcopy(obj)
-        return self.state_dict(obj)
+        state = self.state_dict(obj)
+        if self.dist.active and _has_dtensor(state):
+            # state holding this rank's shards (under --fsdp: a lottery ticket's rewind snapshot, the
+            # optimizers of an OptimizerGroup): every rank's part, each rank restores its own
+            return {_PER_RANK: self.dist.all_gather(_encode_shards(state))}
+        return state
 
     def _load_object(self, name: str, obj, state) -> None:
+        if isinstance(state, dict) and _PER_RANK in state:
+            parts = state[_PER_RANK]
+            if len(parts) != self.world_size:
+                raise RuntimeError(f"the checkpoint holds {len(parts)} ranks' state of {name!r}, this job has "
+                                   f"{self.world_size} ranks")
+            state = _decode_shards(parts[self.rank], self._mesh)
         if isinstance(obj, torch.Generator):
             obj.set_state(state)
         elif isinstance(obj, dict):
@@ -415,15 +527,27 @@ class Job:
         ``fully_shard`` with ``--fsdp`` (build its optimizers after this).
         Call it again after changing the model's parameters (e.g. converting
         layers or freezing some). ``find_unused_parameters`` is passed to DDP
-        (for parameters frozen during a phase)."""
+        (for parameters frozen during a phase).
+
+        Under ``--fsdp`` every child module holding parameters and then the
+        model itself are sharded (``fully_shard``); 0-dim parameters, which
+        FSDP2 cannot shard (e.g. a sparse gate's threshold), stay whole on
+        every rank and :meth:`train_epoch` averages their gradients over the
+        ranks. An empty copy of the model (on the meta device: no memory) is
+        kept for :meth:`plain_copy`. A model that is already sharded is only
+        recorded again."""
         if self.fsdp and self.dist.active:
             if not _is_fsdp(model):
                 from torch.distributed.fsdp import fully_shard
 
+                self._skeletons[id(model)] = _meta_copy(model)
+                self._whole[id(model)] = [p for p in model.parameters() if p.dim() == 0]
+                whole = set(self._whole[id(model)])
                 for child in model.children():
                     if any(True for _ in child.parameters()):
-                        fully_shard(child)
-                fully_shard(model)
+                        fully_shard(child, ignored_params=whole)
+                fully_shard(model, ignored_params=whole)
+            self._mesh = next((p.device_mesh for p in model.parameters() if _is_dtensor(p)), self._mesh)
             wrapper = model
         elif self.dist.active:
             from torch.nn.parallel import DistributedDataParallel
@@ -433,6 +557,45 @@ class Job:
             wrapper = model
         self._prepared[id(model)] = (model, wrapper, tuple(id(p) for p in model.parameters()))
         return model
+
+    def plain_copy(self, model: nn.Module) -> nn.Module:
+        """A plain copy of ``model`` on every rank: no wrapper, no shards, the
+        current values of all its parameters and buffers and their
+        ``requires_grad`` flags. Model transformations that must come before
+        wrapping (masks, ProbMask, layer conversions) are applied to it, and
+        it is then passed to :meth:`prepare`; ``model`` is left as it is.
+
+        In one process and under DDP a ``copy.deepcopy`` of the model (the
+        module inside DDP). Under ``--fsdp`` the empty copy :meth:`prepare`
+        kept is filled: each sharded parameter is gathered whole
+        (``DTensor.full_tensor()``, a collective: every rank calls this, one
+        parameter at a time), the buffers (never sharded) are copied. Plain
+        module attributes (not parameters or buffers) are those the model had
+        when it was prepared."""
+        if not _is_fsdp(model):
+            return copy.deepcopy(model)
+        skeleton = self._skeletons.get(id(model))
+        if skeleton is None:
+            raise RuntimeError("plain_copy() of a sharded model needs the model passed through job.prepare(model)")
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        device = next((_local(t).device for t in list(params.values()) + list(buffers.values())),
+                      torch.device("cpu"))
+        out = copy.deepcopy(skeleton).to_empty(device=device)
+        with torch.no_grad():
+            for name, p in out.named_parameters(remove_duplicate=False):
+                src = params[name]
+                p.copy_(src.full_tensor() if _is_dtensor(src) else src)
+                p.requires_grad_(src.requires_grad)
+            for name, b in out.named_buffers(remove_duplicate=False):
+                src = buffers[name]
+                if b.shape != src.shape:  # a buffer that was re-assigned since prepare (e.g. a fixed mask)
+                    _set_buffer(out, name, src.detach().clone())
+                else:
+                    b.copy_(src)
+        for mine, theirs in zip(out.modules(), model.modules()):
+            mine.training = theirs.training
+        return out
 
     def _wrapper(self, model: nn.Module) -> nn.Module:
         entry = self._prepared.get(id(model))
@@ -482,6 +645,7 @@ class Job:
                     extra = loss_extra()
                     loss = loss + extra
                 loss.backward()
+                self._average_whole_gradients(model)
                 total += ce.item() + (extra.item() * len(idx) if extra is not None else 0.0)
             count += global_size if world == 1 else len(idx)
             optimizer.step()
@@ -491,6 +655,23 @@ class Job:
             self._sync_buffers(model)
             total, count = self.dist.sum(total), self.dist.sum(count)
         return total / max(count, 1)
+
+    def _average_whole_gradients(self, model: nn.Module) -> None:
+        """Under ``--fsdp``, averages over the ranks the gradients of the
+        parameters FSDP2 left whole (:meth:`prepare`), as FSDP2's
+        reduce-scatter does for the sharded ones (one ``all_reduce``)."""
+        whole = self._whole.get(id(model))
+        if not whole or not self.dist.active:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad for p in whole if p.grad is not None]  # the same parameters on every rank
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)  # divided first, as DDP does
+        dist.all_reduce(flat)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     def _sync_buffers(self, model: nn.Module) -> None:
         import torch.distributed as dist
@@ -517,11 +698,12 @@ class Job:
     # ----------------------------------------------------------------- output
     def check_ranks_agree(self) -> None:
         """``RuntimeError`` unless every rank holds the same weights and buffers
-        in every tracked model (data parallelism keeps replicas identical;
-        skipped for sharded models)."""
+        in every tracked model (data parallelism keeps replicas identical; of
+        a sharded model, what every rank holds whole: buffers such as masks
+        and running statistics, and the parameters FSDP2 left whole)."""
         if not self.dist.active:
             return
-        prints = {n: _fingerprint(m) for n, m in self._tracked.items() if isinstance(m, nn.Module) and not _is_fsdp(m)}
+        prints = {n: _fingerprint(m) for n, m in self._tracked.items() if isinstance(m, nn.Module)}
         everyone = self.dist.all_gather(prints)
         bad = sorted(n for n in prints if any(p.get(n) != prints[n] for p in everyone))
         if bad:

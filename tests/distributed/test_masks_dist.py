@@ -447,6 +447,101 @@ def test_probmask_budget_and_finalize(results, kind):
         assert torch.equal(pm.fixed, fixed)
 
 
+# ------------------------------------------------------------------ read outside the forward pass
+class _GatedCnn(nn.Module):
+    """Conv - sparse BN - ReLU - conv - sparse BN - pool - linear, in float64."""
+
+    def __init__(self):
+        super().__init__()
+        from prunopt.nn import SparseBatchNorm2d
+
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1, bias=False)
+        self.bn1 = SparseBatchNorm2d(6, dtype=torch.float64)
+        self.conv2 = nn.Conv2d(6, 5, 3, padding=1, bias=False)
+        self.bn2 = SparseBatchNorm2d(5, dtype=torch.float64)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        return self.fc(torch.relu(self.bn2(self.conv2(x))).mean((2, 3)))
+
+
+def _outside_forward(rank):
+    """Penalties, densities and exports read from the parameters outside the
+    forward pass, where FSDP2 holds them as shards: two-temperature masks
+    (``mask_regularizer``, ``mask_density``, ``layer_densities``,
+    ``stop_at_sparsity``), sparse gates (``l1_regularizer`` of
+    ``sparse_gates``, ``gate_density``), ``pruning_rates`` and ``export_csr``
+    of a masker, and ``sum_over_shards`` itself; values and gradients."""
+    from prunopt.distributed import local_tensor, sum_over_shards
+    from prunopt.nn import (gate_density, l1_regularizer, layer_densities, mask_density, mask_regularizer,
+                            sparse_gates, stop_at_sparsity, two_temperature_masks, wrap_two_temperature_masks)
+    from prunopt.pruning import _dist, export_csr, pruning_rates
+
+    g = torch.Generator().manual_seed(7)
+    model = _GatedCnn().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.4)
+        model.bn1.gate.alpha.copy_(torch.tensor([0.9, -0.05, 0.4, 0.02, -0.7, 0.3]))  # two gates below threshold
+    wrap_two_temperature_masks(model, generator=torch.Generator().manual_seed(3))
+    masks = two_temperature_masks(model)
+    with torch.no_grad():
+        for m in masks:  # logits of both signs
+            m.w.copy_(torch.randn(m.w.shape, generator=g, dtype=torch.float64) * 0.01)
+    if rank is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        whole = {p for p in model.parameters() if p.dim() == 0}  # the gates' thresholds: FSDP2 refuses 0-dim
+        for m in masks:
+            fully_shard(m, ignored_params=whole)
+        fully_shard(model, ignored_params=whole)
+    out = {"mask_density": torch.tensor(mask_density(masks)),
+           "layer_densities": torch.tensor(layer_densities(masks)),
+           "gate_density": torch.tensor(gate_density(model))}
+    penalty = mask_regularizer(masks, 0.5) + 0.1 * l1_regularizer(sparse_gates(model))
+    x = next(m.w for m in masks)
+    square = sum_over_shards((local_tensor(x) ** 3).sum(), x)
+    (penalty + square).backward()
+    out["penalty"], out["square"] = penalty.detach(), square.detach()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            out["grad " + n] = _dist.full_tensor(p.grad).clone()
+    out["stopped"] = torch.tensor([stop_at_sparsity(masks, 0.4), stop_at_sparsity(masks, 0.6)])
+    out["frozen"] = torch.tensor([not m.w.requires_grad for m in masks])
+    # a masker's rates and export over sharded weights
+    plain = _mlp()
+    masker = Masker(plain)
+    magnitude_prune(masker, 0.6)
+    if rank is not None:
+        _fsdp(plain)
+    rates = pruning_rates(masker)
+    export = export_csr(masker)
+    out["rates"] = torch.tensor([rates["p_sp"], rates["nonzero"], export["csr_bytes"], export["sparsity"]])
+    out["csr"] = {n: c.to_dense() for n, c in export["tensors"].items()}
+    return out
+
+
+_scenario("outside_forward", _outside_forward)
+
+
+def test_penalties_densities_and_exports_of_sharded_parameters(results):
+    ref = _outside_forward(None)
+    assert 0 < float(ref["gate_density"]) < 1 and 0 < float(ref["mask_density"]) < 1
+    assert ref["stopped"].tolist() == [True, False]  # the first call freezes every mask
+    for o in ok(results["outside_forward"]):
+        assert o.keys() == ref.keys()
+        for key in ("mask_density", "layer_densities", "gate_density", "stopped", "frozen", "rates"):
+            assert torch.equal(o[key], ref[key]), (key, o[key], ref[key])
+        for key in ref:
+            if key.startswith("grad ") or key in ("penalty", "square"):
+                torch.testing.assert_close(o[key], ref[key], rtol=1e-12, atol=1e-14, msg=key)
+        for n in ref["csr"]:
+            assert torch.equal(o["csr"][n], ref["csr"][n]), n
+    assert any(k.endswith("gate.beta") for k in ref) and any(k.endswith(".w") for k in ref)
+
+
 # ------------------------------------------------------------------ wrapping order
 def _order_errors(rank):
     from torch.nn.parallel import DistributedDataParallel

@@ -1,6 +1,7 @@
 """PrunAdag and SFW under FSDP2 and DDP (2 gloo ranks on CPU), against one
-process on the full parameters: every path (fused, foreach, single-tensor),
-versions 1-4 and relevant_only, every scope, over 10 steps; non-finite
+process on the full parameters: every path (fused, foreach, single-tensor)
+with versions 1-4 and relevant_only and every scope (each pair of the three
+covered), over 10 steps; non-finite
 gradients on one rank; ``torch.distributed.checkpoint`` save and resume.
 
 Each scenario is a module-level function ``f(rank, ...)``: with ``rank=None``
@@ -116,7 +117,10 @@ def _prunadag_run(rank, kind, path, version, scope, steps=STEPS):
     return _params(model), states
 
 
-CASES = [("fsdp",) + c for c in itertools.product(PATHS, VERSIONS, SCOPES)]
+# every (path, version) pair, each with one of the scopes in turn, so that
+# every (path, scope) and (version, scope) pair is covered as well
+CASES = [("fsdp", path, version, SCOPES[i % len(SCOPES)])
+         for i, (path, version) in enumerate(itertools.product(PATHS, VERSIONS))]
 CASES += [("ddp", path, 3, "global") for path in PATHS]
 for _case in CASES:
     _scenario(_name("prunadag", _case), _prunadag_run, *_case)

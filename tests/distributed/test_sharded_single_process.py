@@ -63,6 +63,16 @@ def test_without_process_group_the_ops_are_the_one_process_ops():
     assert not D.is_distributed_tensor(xs[0]) and not D.is_replicated(xs[0]) and D.counts_locally(xs[0])
 
 
+def test_sum_over_shards_of_a_plain_tensor_is_the_local_sum():
+    w = torch.randn(4, 3, requires_grad=True)
+    s = (w ** 2).sum()
+    assert D.sum_over_shards(s, w) is s  # one process / DDP: nothing to add
+    with pytest.raises(TypeError, match="local_sum must be a plain tensor"):
+        D.sum_over_shards(1.0, w)
+    with pytest.raises(TypeError, match="like must be a Tensor"):
+        D.sum_over_shards(s, [w])
+
+
 def test_argument_errors():
     x = torch.randn(10)
     with pytest.raises(TypeError, match="k must be an int"):
@@ -171,6 +181,57 @@ def test_bracket_select_bit_identical(case):
     want = one_threshold(vals, k)
     assert got.dtype == dtype and got.shape == ()
     assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
+
+
+@settings(max_examples=40)
+@given(threshold_case())
+@example((torch.float32, [4097, 0, 5], "ties", 0, 1.0))
+@example((torch.float64, [300, 1], "tiny", 1, 0.0))
+def test_bracket_select_from_a_strided_sample(case):
+    """With a sample smaller than the shard (here about 64 values, in blocks
+    of 4) the bracket comes from the sample's order statistics: still bit-identical
+    (a bracket that misses falls back to the radix select over everything)."""
+    dtype, sizes, kind, seed, kpos = case
+    if dtype not in (torch.float32, torch.float64) or sum(sizes) == 0:
+        return
+    vals = _threshold_data(dtype, sizes, kind, seed)
+    n = sum(sizes)
+    k = min(n, 1 + int(kpos * n))
+    saved = D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK
+    D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = 64, 64, 4
+    try:
+        assert n < 128 or D._sample([v.reshape(-1) for v in vals if v.numel()], n).numel() < n
+        got = D._bracket_select(vals, _one_process_plan(vals), k)
+    finally:
+        D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = saved
+    want = one_threshold(vals, k)
+    assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
+
+
+@pytest.mark.parametrize("where", ["above", "below"])
+def test_bracket_select_falls_back_when_the_bracket_misses(monkeypatch, where):
+    """A sample bracket that does not hold the threshold (forced here) is seen
+    in the summed counts, and the radix select over all values answers."""
+    g = torch.Generator().manual_seed(5)
+    vals = [torch.randn(5000, generator=g), torch.randn(777, generator=g)]
+    k = 1234
+    want = one_threshold(vals, k)
+    top = float(torch.cat(vals).abs().max())
+    bracket = (top, top) if where == "above" else (0.0, 0.0)
+    monkeypatch.setattr(D, "_sample_bracket", lambda keys, share, n_r: bracket)
+    calls = []
+    inner, radix = D._select_in_bracket, D._radix_select
+
+    def in_bracket(*a, **kw):
+        got = inner(*a, **kw)
+        calls.append("missed" if got is D._MISSED else "found")
+        return got
+
+    monkeypatch.setattr(D, "_select_in_bracket", in_bracket)
+    monkeypatch.setattr(D, "_radix_select", lambda local, *a, **kw: calls.append(len(local)) or radix(local, *a, **kw))
+    got = D._bracket_select(vals, _one_process_plan(vals), k)
+    assert got.view(torch.int32).item() == want.view(torch.int32).item()
+    assert calls == ["missed", 2]  # the candidates first, then the radix select over all values
 
 
 def test_bracket_select_non_finite():

@@ -357,13 +357,16 @@ def test_replicated_counts_once(results):
 def test_fixed_number_of_small_collectives(results):
     for per_rank in ok(results["sc_collectives"]):
         for (dtype, n), calls in per_rank.items():
-            # float32/float64 on the CPU: the bracket (n, then the bracket), then the radix
-            # passes among the candidates (the first also sums the counts above the
-            # bracket); bfloat16: the radix passes alone
-            passes = {"torch.float32": 2 + 3, "torch.float64": 2 + 6, "torch.bfloat16": 2}[dtype]
-            assert len(calls) == passes, (dtype, n, calls)  # independent of n
+            if dtype == "torch.bfloat16":  # the radix passes alone
+                assert len(calls) == 2, (dtype, n, calls)
+            else:
+                # float32/float64 on the CPU: n, then the bracket, then 1 to 3 (float32) or
+                # 6 (float64) radix passes over the offsets inside the bracket (the first
+                # also sums the counts above it): a bound that does not depend on n
+                assert calls[:2] == [2057 * 8, 2 * 8], (dtype, n, calls)
+                assert 1 <= len(calls) - 2 <= {"torch.float32": 3, "torch.float64": 6}[dtype], (dtype, n, calls)
+                assert calls[2] == 2051 * 8 and all(c <= 2048 * 8 for c in calls[3:]), (dtype, n, calls)
             assert max(calls) <= 2058 * 8, calls  # one 2048-bucket histogram + 10 integers at most
-        assert per_rank[("torch.float32", 10)] == per_rank[("torch.float32", 100_000)]
 
 
 @pytest.mark.parametrize("name,kind,text", [

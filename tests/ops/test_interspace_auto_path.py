@@ -89,6 +89,26 @@ def test_auto_runs_the_path_the_uncached_model_picks(capability, monkeypatch):
     assert "prunopt.fb_conv2d" in names
 
 
+def test_auto_skips_the_kernels_count_when_the_sample_is_clearly_below_the_threshold():
+    """Where the count is costly, a sampled density four standard errors below
+    the threshold hands the kernel max_density 1.0 (no second, exact count);
+    near the threshold the kernel gets the threshold and counts."""
+    gen = torch.Generator().manual_seed(3)
+    dims = (128, 128, 128, 9, 9, 256, 256)
+    threshold = auto_max_density(*dims, csr_cached=False)
+    g = torch.randn(9, 3, 3, generator=gen)
+    x = torch.randn(1, 128, 16, 16, generator=gen)
+    lam = torch.randn(128, 128, 9, generator=gen)
+    args = ((1, 1), (1, 1), (1, 1), 1)
+    low = (torch.rand(lam.shape, generator=gen) < threshold / 4).float()
+    assert ops_interspace._uncached_max_density(x, lam, g, low, *args) == 1.0
+    near = (torch.rand(lam.shape, generator=gen) < 0.97 * threshold).float()
+    d = ops_interspace._sampled_density(lam, near)
+    assert d + 4 * (d * (1 - d) / ops_interspace._SAMPLE) ** 0.5 > threshold  # not clearly below
+    if d <= threshold:
+        assert ops_interspace._uncached_max_density(x, lam, g, near, *args) == threshold
+
+
 def test_sampled_density_estimates_the_masked_density():
     gen = torch.Generator().manual_seed(1)
     lam = torch.randn(256, 64, 9, generator=gen)
@@ -116,5 +136,50 @@ def test_compressed_op_reuses_the_csr():
         for _ in range(2):
             y = fb_conv2d_compressed(x, comp, g, None, 1, 1)
     assert "prunopt.fb_conv2d" not in rec.names
+    torch.testing.assert_close(y.double(), fb_conv2d_reference(x.double(), lam.double(), g.double(), mu.double(),
+                                                               None, 1, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_density_is_remembered_until_the_mask_is_written(monkeypatch):
+    """A layer called again with the same mask skips the sample; an in-place
+    write (a new version) samples again, so the path follows the new mask."""
+    calls = []
+    sample = ops_interspace._sample_density
+    monkeypatch.setattr(ops_interspace, "_sample_density", lambda t: calls.append(1) or sample(t))
+    monkeypatch.setattr(ops_interspace, "_DENSITY", {})
+    gen = torch.Generator().manual_seed(4)
+    lam = torch.randn(128, 128, 9, generator=gen)
+    mu = (torch.rand(lam.shape, generator=gen) < 0.05).float()
+    d = ops_interspace._sampled_density(lam, mu)
+    assert ops_interspace._sampled_density(lam, mu) == d and len(calls) == 1
+    mu.fill_(1.0)  # written in place: sampled again
+    assert ops_interspace._sampled_density(lam, mu) == 1.0 and len(calls) == 2
+    assert ops_interspace._sampled_density(lam, mu.clone()) == 1.0 and len(calls) == 3  # another tensor
+    for d in (0.02, 0.9, 0.02):  # new masks, often in the memory of the freed one, at version 0
+        m = (torch.rand(lam.shape, generator=gen) < d).float()
+        assert abs(ops_interspace._sampled_density(lam, m) - d) < 0.05
+        del m
+    assert len(calls) == 6
+    with torch.inference_mode():  # no version counter: sampled every time, no error
+        inf_mu = torch.zeros(lam.shape)
+        assert ops_interspace._sampled_density(lam, inf_mu) == 0.0
+        assert ops_interspace._sampled_density(lam, inf_mu) == 0.0
+    assert len(calls) == 8
+
+
+@needs_kernel
+def test_auto_follows_a_mask_written_in_place():
+    gen = torch.Generator().manual_seed(5)
+    dims = (128, 128, 128, 9, 9, 256, 256)
+    threshold = auto_max_density(*dims, csr_cached=False)
+    g = torch.randn(9, 3, 3, generator=gen)
+    x = torch.randn(1, 128, 16, 16, generator=gen)
+    lam = torch.randn(128, 128, 9, generator=gen)
+    mu = (torch.rand(lam.shape, generator=gen) < threshold / 4).float()
+    _, names = _run(x, lam, g, mu)
+    assert "prunopt.fb_conv2d" in names
+    mu.fill_(1.0)  # now dense: auto must see it
+    y, names = _run(x, lam, g, mu)
+    assert "prunopt.fb_conv2d" not in names
     torch.testing.assert_close(y.double(), fb_conv2d_reference(x.double(), lam.double(), g.double(), mu.double(),
                                                                None, 1, 1), atol=1e-4, rtol=1e-4)

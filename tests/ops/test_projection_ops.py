@@ -291,6 +291,44 @@ def test_torch_compile():
     torch.testing.assert_close(compiled(t, 100.0), step(t, 100.0), atol=1e-12, rtol=0)
 
 
+@given(mags=st.lists(st.integers(-40, 40), min_size=1, max_size=8), signs=st.lists(st.booleans(), min_size=8,
+                                                                                   max_size=8),
+       budget_exp=st.integers(-35, 3), seed=st.integers(0, 2**31 - 1), with_cost=st.booleans())
+@example(mags=[36, 36, 36, 0], signs=[True, False, True, True], budget_exp=-30, seed=0, with_cost=False)
+def test_sort_oracle_on_scores_over_many_orders_of_magnitude(mags, signs, budget_exp, seed, with_cost):
+    """The oracle is feasible and agrees with the bisection reference when the
+    scores span 80 orders of magnitude: its running sums of the breakpoints'
+    changes cancelled, and [4.9e36, -4.9e36, 1e36, 3.] with budget 1e-30 gave
+    [1, 0, 0, 0], over the budget."""
+    if with_cost:
+        # with costs, t - lam c carries the rounding of lam c: beyond 2**53 an
+        # ulp of t exceeds 1 and no double lam puts a free entry inside (0, 1)
+        # (every solver, the kernels included, may then end a step over budget)
+        mags = [min(m, 14) for m in mags]
+    g = torch.Generator().manual_seed(seed)
+    t = torch.tensor([(1 if s else -1) * (1 + float(torch.rand((), generator=g))) * 10.0 ** m
+                      for m, s in zip(mags, signs)], dtype=torch.float64)
+    c = torch.rand(t.shape, generator=g, dtype=torch.float64) * 10 + 0.1 if with_cost else None
+    budget = 10.0 ** budget_exp
+    out = project_budget_sort(t, budget, c)
+    cc = torch.ones_like(t) if c is None else c
+    used = float((out * cc).sum())
+    assert ((out >= 0) & (out <= 1)).all()
+    # a free entry t - lam c carries the rounding of lam c: a few ulps of t
+    free = (out > 0) & (out < 1)
+    slack = 4 * t.numel() * 2.0**-52 * float((t.abs() * cc)[free].max()) if free.any() else 0.0
+    assert used <= budget * (1 + 1e-12) + slack
+    torch.testing.assert_close(out, project_budget_reference(t, budget, c), atol=1e-12, rtol=0)
+    torch.testing.assert_close(project_budget(t, budget, c), out, atol=1e-12, rtol=0)
+
+
+def test_sort_oracle_example_from_the_fuzzer():
+    t = torch.tensor([4.9e36, -4.9e36, 1e36, 3.0], dtype=torch.float64)
+    out = project_budget_sort(t, 1e-30)
+    assert float(out.sum()) <= 1e-30
+    assert torch.equal(out, project_budget_reference(t, 1e-30))
+
+
 def test_reference_bisection_reaches_exact_piece():
     # pathological: huge spread of scores, a budget far from both ends
     t = torch.cat([torch.tensor([1e6, -1e6]), torch.rand(997, dtype=torch.float64) * 1e-3])

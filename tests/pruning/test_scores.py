@@ -169,6 +169,22 @@ def test_score_argument_errors():
         synflow_scores(model, "3x32x32")
 
 
+def test_synflow_takes_integer_inputs_and_names_an_input_the_model_cannot_take():
+    # a language model's example input is token ids: the all-ones input is token 1 everywhere
+    emb = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
+    scores = synflow_scores(emb, torch.tensor([[3, 4, 5]]))
+    assert set(scores) == {"1.weight"} and all(torch.isfinite(s).all() for s in scores.values())
+    assert bool((scores["1.weight"] > 0).all())  # every path from token 1 reaches the outputs
+    before = {n: p.detach().clone() for n, p in emb.named_parameters()}
+    # a conv model cannot take a token batch: a RuntimeError naming example_input, parameters restored
+    model = TinyNet()
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="example_input"):
+        synflow_scores(model, torch.ones(2, 5, dtype=torch.long))
+    assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
+    assert all(torch.equal(before[n], p) for n, p in emb.named_parameters())
+
+
 @pytest.mark.parametrize("score", ["snip", "grasp", "synflow"])
 def test_gradient_scores_work_under_no_grad(score):
     torch.manual_seed(0)

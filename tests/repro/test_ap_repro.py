@@ -86,6 +86,7 @@ def test_cli_tiny_structure_and_determinism(tmp_path, capsys):
     assert (tmp_path / "a" / "ap.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cli_seed_pieces_merge_to_the_whole_run(tmp_path, capsys):
     """Seeds 0 and 1 run in two processes and merged give the two-seed run."""
     base = ["repro", "ap", "--tiny", "--no-progress"]

@@ -55,6 +55,7 @@ def test_compare_equal_rate_seeds_umask_and_determinism(tmp_path, capsys):
     assert "| 0.900 | 2 |" in md and "no IP network at this rate" in md
 
 
+@pytest.mark.slow
 def test_compare_merge_of_seed_pieces(tmp_path, capsys):
     base = ["compare", "--method", "pai-random", "--sparsities", "0.9", "--epochs", "1", "--limit", "100",
             "--seeds", "1", "--threads", "1", "--no-progress"]

@@ -51,6 +51,7 @@ def test_cli_tiny_structure_and_determinism(tmp_path, capsys):
     assert "| claim | paper value | prunopt value | verdict | note |" in md and "| l21 | 1 |" in md
 
 
+@pytest.mark.slow
 def test_cli_seed_pieces_merge_to_the_whole_run(tmp_path, capsys):
     """Seeds 0 and 1 run in two processes and merged give the two-seed run."""
     base = ["repro", "ds", "--tiny", "--no-progress"]

@@ -114,6 +114,7 @@ def test_cli_tiny_structure_and_determinism(tmp_path, capsys):
     assert (tmp_path / "a" / "interspace.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cli_job_pieces_merge_to_the_whole_run(tmp_path, capsys):
     base = ["repro", "interspace", "--tiny", "--no-progress"]
     assert main(base + ["--out", str(tmp_path / "whole")]) == 0

@@ -184,8 +184,9 @@ def test_ratio_set_and_fw2_rule_options():
 
 def _data_without_time(path):
     d = json.loads(path.read_text())
-    d.pop("wall_s")
-    d["data"].pop("wall_s", None)
+    for key in ("wall_s", "cpu_s"):
+        d.pop(key)
+        d["data"].pop(key, None)
     return d
 
 
@@ -237,6 +238,7 @@ def test_repro_command_tiny(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_merge_of_runs_split_by_offset(tmp_path, capsys):
     """Runs 0-2 in one process and 3-4 in another merge to the means of runs
     0-4 in one process (rows are independent)."""

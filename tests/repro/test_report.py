@@ -105,3 +105,28 @@ def test_small_helpers():
     assert seeds_from(A, 5) == [3, 4]
     assert repro_command(A, "x", ["prunadag_runs", "flag"]) == \
         "prunopt repro x --out o --seed 3 --seeds 2 --threads 1 --quick --prunadag-runs 5 --flag"
+
+
+def test_timer_cpu_time_and_pieces_section(tmp_path):
+    """CPU time is recorded beside wall time, shown in the header only when
+    recorded, and the pieces section sums both without claiming a schedule."""
+    from prunopt.repro.report import Timer, pieces_section
+
+    with Timer() as t:
+        sum(i * i for i in range(200_000))  # some CPU work
+    assert t.cpu_seconds > 0 and t.seconds > 0
+    rep = Report("demo", "Demo", "prunopt repro demo --merge a,b", [0], 1)
+    assert "CPU time" not in rep.to_markdown()
+    rep.wall_s, rep.cpu_s = 30.0, 20.0
+    assert "wall time 30 s, CPU time 20 s" in rep.to_markdown()
+    parts = [{"command": "prunopt repro demo --out a", "wall_s": 10.0, "cpu_s": 6.0},
+             {"command": "prunopt repro demo --out b", "wall_s": 20.0, "cpu_s": 14.0}]
+    pieces_section(rep, parts)
+    heading, text = rep.sections[-1]
+    assert heading == "How it was run"
+    assert text.startswith("2 processes, 30 s of wall time summed over them, 20 s of CPU time")
+    assert "| `prunopt repro demo --out b` | 20 | 14 |" in text
+    pieces_section(rep, [{"command": "c", "wall_s": 5.0}], how="one after another")
+    assert rep.sections[-1][1].startswith("1 processes, one after another, 5 s of wall time summed over them;")
+    assert "CPU s" not in rep.sections[-1][1]
+    assert json.loads(json.dumps(rep.to_json()))["cpu_s"] == 20.0

@@ -45,6 +45,7 @@ def test_gpu_benchmark_skips_without_cuda(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_quick_bench_from_an_installed_package(tmp_path):
     site = _installed_copy(tmp_path)
     work = tmp_path / "work"

@@ -161,12 +161,22 @@ def _usage_error(argv, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
-def test_fsdp_is_a_usage_error_where_a_method_cannot_shard_yet(method, capsys, monkeypatch):
+def test_every_method_runs_under_fsdp():
+    assert sorted(n for n, e in METHODS.items() if e.fsdp is not None) == []
+
+
+def test_fsdp_is_a_usage_error_where_a_method_cannot_shard(capsys, monkeypatch):
+    from prunopt.train.methods import register_method
+
     for k, v in TORCHRUN_ENV.items():
         monkeypatch.setenv(k, v)
-    err = _usage_error(["train", "--method", method, "--fsdp"], capsys)
-    assert f"--fsdp is not supported by --method {method} yet" in err
+    register_method("unsharded-test", lambda args, job=None: None, "a method that cannot run sharded",
+                    fsdp="its state cannot be sharded")
+    try:
+        err = _usage_error(["train", "--method", "unsharded-test", "--fsdp"], capsys)
+    finally:
+        METHODS.pop("unsharded-test")
+    assert "--fsdp is not supported by --method unsharded-test yet: its state cannot be sharded" in err
 
 
 def test_fsdp_needs_torchrun(capsys):

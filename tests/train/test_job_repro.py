@@ -9,6 +9,7 @@ from prunopt.cli import main
 from _job_helpers import run_child, summary_lines
 
 
+@pytest.mark.slow
 def test_same_command_same_summary_in_separate_processes(tmp_path):
     argv = [sys.executable, "-m", "prunopt", "train", "--method", "ds", "--epochs", "1", "--limit", "300",
             "--threads", "2", "--no-progress"]

@@ -27,9 +27,12 @@ CASES = [
     ("ds", ["--epochs", "1"], 2),                  # dense 1, sparsify 2
     ("lt", ["--epochs", "1", "--sparsity", "0.5"], 3),  # five rounds; the rewind snapshot and round decisions
 ]
+# in the default run (the others run with the slow-marked tests): a phased method and the lottery ticket
+FAST = ("probmask", "lt")
 
 
-@pytest.mark.parametrize("method, options, after", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("method, options, after", [
+    c if c[0] in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES], ids=[c[0] for c in CASES])
 def test_killed_run_resumes_bit_exactly(method, options, after, tmp_path, capsys):
     argv = ["--method", method] + options + COMMON
     assert main(["train"] + argv + ["--out", str(tmp_path / "whole")]) == 0

@@ -3,9 +3,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace prunopt {
@@ -48,6 +52,102 @@ inline void check_projection_args(
           "] must be on the device of theta (", t0.device(), "), got ", c.device());
     }
   }
+}
+
+// Storage offsets (in elements) of every element of t: numel int64 values on
+// the CPU (from its sizes and strides alone; the data is never read).
+inline at::Tensor element_offsets(const at::Tensor& t) {
+  at::Tensor off = at::full({}, t.storage_offset(), at::kLong);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    off = off.unsqueeze(-1) + at::arange(t.size(d), at::kLong) * t.stride(d);
+  }
+  return off.reshape({-1});
+}
+
+// Whether two elements of t are one memory location (an expand()-ed or
+// otherwise self-overlapping view). Exact: the cheap tests first (ATen's,
+// dense layouts, strides that each step over the extent of the smaller
+// ones), the sorted offsets of every element only for a view none decides.
+inline bool has_internal_overlap_exact(const at::Tensor& t) {
+  if (t.numel() <= 1) return false;
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes) return true;
+  if (t.is_non_overlapping_and_dense()) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  bool separated = true;
+  int64_t extent = 0;  // the largest offset reached by the smaller-stride dimensions
+  for (const auto& [stride, size] : dims) {
+    separated = separated && stride > extent;
+    extent += (size - 1) * stride;
+  }
+  if (separated) return false;
+  const at::Tensor sorted = std::get<0>(element_offsets(t).sort());
+  return (sorted.slice(0, 1) == sorted.slice(0, 0, -1)).any().item<bool>();
+}
+
+// Tensors that an op writes in place, each with the name of its argument
+// ("theta[2]", "opt_sums[0]"): none may overlap itself (an expand()-ed
+// tensor: its elements would be written several times, and copying a result
+// back into it fails after the others were written) or another (the same
+// tensor twice, overlapping views: in the projection every element counted
+// twice against the budget; the same tensor twice gave all zeros).
+// ValueError before anything is written. Only tensors of one storage are
+// compared (grouped by storage: no quadratic cost for long lists).
+inline void check_disjoint_writes(const std::vector<std::pair<std::string, at::Tensor>>& ts, const char* op) {
+  std::vector<std::pair<const void*, size_t>> by_storage;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i].second;
+    if (!t.defined() || t.numel() == 0 || t.is_meta() || !t.has_storage()) continue;
+    TORCH_CHECK_VALUE(!has_internal_overlap_exact(t), op, ": ", ts[i].first,
+        " has elements sharing one memory location (e.g. an expand()-ed tensor); clone() it before writing it in "
+        "place");
+    by_storage.emplace_back(t.storage().unsafeGetStorageImpl(), i);
+  }
+  std::sort(by_storage.begin(), by_storage.end());
+  auto last_offset = [](const at::Tensor& t) {
+    int64_t hi = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d);
+    return hi;
+  };
+  for (size_t u = 0; u < by_storage.size(); ++u) {
+    for (size_t v = u + 1; v < by_storage.size() && by_storage[v].first == by_storage[u].first; ++v) {
+      const size_t i = std::min(by_storage[u].second, by_storage[v].second);
+      const size_t j = std::max(by_storage[u].second, by_storage[v].second);
+      const at::Tensor& a = ts[i].second;
+      const at::Tensor& b = ts[j].second;
+      if (a.element_size() != b.element_size()) continue;  // (views of one storage as different dtypes: not ours)
+      if (last_offset(a) < b.storage_offset() || last_offset(b) < a.storage_offset()) continue;
+      const bool shared =
+          a.is_same(b) || at::isin(element_offsets(a), element_offsets(b)).any().item<bool>();
+      TORCH_CHECK_VALUE(!shared, op, ": ", ts[i].first, " and ", ts[j].first,
+          " share memory (the same tensor twice or overlapping views): each element must be written once; pass "
+          "each tensor once (or clone() one)");
+    }
+  }
+}
+
+// The in-place projection treats every element as a separate score (see
+// check_disjoint_writes).
+inline void check_no_overlap(at::TensorList theta, const char* op) {
+  std::vector<std::pair<std::string, at::Tensor>> ts;
+  for (size_t i = 0; i < theta.size(); ++i) ts.emplace_back("theta[" + std::to_string(i) + "]", theta[i]);
+  check_disjoint_writes(ts, op);
+}
+
+// prunadag_step_ writes params, opt_sums, dec_sums (and found_nonfinite):
+// each element once (see check_disjoint_writes).
+inline void check_prunadag_writes(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
+    const c10::optional<at::Tensor>& found_nonfinite, const char* op) {
+  std::vector<std::pair<std::string, at::Tensor>> ts;
+  for (const auto& [name, list] : {std::make_pair("params", params), std::make_pair("opt_sums", opt_sums),
+           std::make_pair("dec_sums", dec_sums)}) {
+    for (size_t i = 0; i < list.size(); ++i) ts.emplace_back(std::string(name) + "[" + std::to_string(i) + "]", list[i]);
+  }
+  if (found_nonfinite.has_value() && found_nonfinite->defined()) ts.emplace_back("found_nonfinite", *found_nonfinite);
+  check_disjoint_writes(ts, op);
 }
 
 }  // namespace prunopt

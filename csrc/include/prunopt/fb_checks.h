@@ -11,8 +11,14 @@
 
 namespace prunopt {
 
+// A None passed for a Tensor argument arrives as an undefined tensor.
+inline void check_defined(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " must be a tensor, got None");
+}
+
 inline void check_fb_basis(const at::Tensor& basis, int64_t n, c10::ScalarType dtype, c10::Device device,
                            const char* op) {
+  check_defined(basis, "basis", op);
   TORCH_CHECK_VALUE(basis.dim() == 3, op, ": basis must have shape (N, kh, kw), got ", basis.sizes());
   TORCH_CHECK_VALUE(basis.size(0) == n, op, ": basis has ", basis.size(0),
       " elements but the coefficients have N = ", n);
@@ -23,6 +29,7 @@ inline void check_fb_basis(const at::Tensor& basis, int64_t n, c10::ScalarType d
 
 inline void check_fb_reconstruct_args(const at::Tensor& coefficients, const at::Tensor& basis,
                                       const c10::optional<at::Tensor>& mask, const char* op) {
+  check_defined(coefficients, "coefficients", op);
   TORCH_CHECK_VALUE(coefficients.dim() == 3, op,
       ": coefficients must have shape (C_out, C_in/groups, N), got ", coefficients.sizes());
   TORCH_CHECK_VALUE(coefficients.is_floating_point(), op, ": coefficients must be a floating tensor, got ",
@@ -41,6 +48,7 @@ inline void check_fb_reconstruct_args(const at::Tensor& coefficients, const at::
 // the filters, the dtype and device of the coefficients.
 inline void check_fb_grad_h(const at::Tensor& grad_h, const at::Tensor& coefficients, const at::Tensor& basis,
                             const char* op) {
+  check_defined(grad_h, "grad_h", op);
   TORCH_CHECK_VALUE(grad_h.dim() == 4 && grad_h.size(0) == coefficients.size(0) &&
       grad_h.size(1) == coefficients.size(1) && grad_h.size(2) == basis.size(1) && grad_h.size(3) == basis.size(2),
       op, ": grad_h must have the shape of the filters (", coefficients.size(0), ", ", coefficients.size(1), ", ",
@@ -54,7 +62,11 @@ inline void check_fb_grad_h(const at::Tensor& grad_h, const at::Tensor& coeffici
 inline std::vector<int64_t> check_fb_conv_args(const at::Tensor& input, int64_t c_out, int64_t c_in_g,
     const at::Tensor& basis, const c10::optional<at::Tensor>& bias, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, const char* op) {
+  check_defined(input, "input", op);
   TORCH_CHECK_VALUE(input.dim() == 4, op, ": input must have shape (B, C_in, H, W), got ", input.sizes());
+  // (as conv2d, which the dense path calls: padding alone is no image)
+  TORCH_CHECK_VALUE(input.size(2) >= 1 && input.size(3) >= 1, op,
+      ": input must have an image of at least 1 x 1, got ", input.sizes());
   TORCH_CHECK_VALUE(input.scalar_type() == basis.scalar_type(), op, ": input must have dtype ",
       basis.scalar_type(), ", got ", input.scalar_type());
   TORCH_CHECK_VALUE(input.device() == basis.device(), op, ": input must be on ", basis.device());
@@ -63,6 +75,14 @@ inline std::vector<int64_t> check_fb_conv_args(const at::Tensor& input, int64_t 
   TORCH_CHECK_VALUE(stride[0] >= 1 && stride[1] >= 1, op, ": stride must be >= 1, got ", stride);
   TORCH_CHECK_VALUE(padding[0] >= 0 && padding[1] >= 0, op, ": padding must be >= 0, got ", padding);
   TORCH_CHECK_VALUE(dilation[0] >= 1 && dilation[1] >= 1, op, ": dilation must be >= 1, got ", dilation);
+  // (bounded so that in + 2 pad and dilation (k - 1) stay far inside int64:
+  // larger values overflowed the index arithmetic, undefined behaviour)
+  constexpr int64_t kMax = (int64_t(1) << 31) - 1;
+  TORCH_CHECK_VALUE(stride[0] <= kMax && stride[1] <= kMax, op, ": stride must be at most ", kMax, ", got ", stride);
+  TORCH_CHECK_VALUE(padding[0] <= kMax && padding[1] <= kMax, op, ": padding must be at most ", kMax, ", got ",
+      padding);
+  TORCH_CHECK_VALUE(dilation[0] <= kMax && dilation[1] <= kMax, op, ": dilation must be at most ", kMax, ", got ",
+      dilation);
   TORCH_CHECK_VALUE(groups >= 1 && c_out % groups == 0, op, ": groups must be >= 1 and divide C_out = ", c_out,
       ", got ", groups);
   TORCH_CHECK_VALUE(input.size(1) == c_in_g * groups, op, ": input has ", input.size(1),
@@ -81,6 +101,10 @@ inline std::vector<int64_t> check_fb_conv_args(const at::Tensor& input, int64_t 
 
 inline void check_fb_csr_args(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& values,
                               const at::Tensor& basis, const char* op) {
+  check_defined(crow, "crow_indices", op);
+  check_defined(col, "col_indices", op);
+  check_defined(values, "values", op);
+  check_defined(basis, "basis", op);
   TORCH_CHECK_VALUE(crow.dim() == 1 && crow.numel() >= 2 && crow.scalar_type() == at::kInt, op,
       ": crow_indices must be a 1-D int32 tensor of length C_out + 1, got ", crow.sizes(), " ", crow.scalar_type());
   TORCH_CHECK_VALUE(col.dim() == 1 && col.scalar_type() == at::kInt, op,

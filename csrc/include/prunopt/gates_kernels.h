@@ -142,13 +142,15 @@ struct SigmoidOp {
   }
 };
 
-// grad * t_s e / (1 + e)^2 with e = exp(-|t_s w|) (sigmoid_slope, AP eq. 7)
+// grad * (t_s e / (1 + e)^2) with e = exp(-|t_s w|) (sigmoid_slope, AP eq. 7);
+// the slope is scaled before grad multiplies it (grad * t_s first overflowed
+// to inf for a large t_s, and inf * a zero slope is NaN)
 struct SigmoidSlopeOp {
   double t_s;
   template <typename U>
   U operator()(U g, U w) const {
     const U ts = static_cast<U>(t_s);
-    return g * ts * sp::sigmoid_slope(ts * w);
+    return g * (ts * sp::sigmoid_slope(ts * w));
   }
 };
 

@@ -28,12 +28,14 @@ std::vector<at::Tensor> project_budget_entry(
   return outputs;
 }
 
-// Everything is validated inside project_into before the first write, so an
+// Everything is validated (here: members that overlap themselves or each
+// other; inside project_into: the values) before the first write, so an
 // error leaves theta untouched.
 template <typename ProjectInto>
 void project_budget_inplace_entry(
     at::TensorList theta, const c10::optional<at::TensorList>& cost, double budget, ProjectInto&& project_into) {
   check_projection_args(theta, cost, budget, "project_budget_");
+  check_no_overlap(theta, "project_budget_");
   auto inputs = contiguous_all(theta);
   auto costs = cost.has_value() ? contiguous_all(*cost) : std::vector<at::Tensor>{};
   project_into(inputs, costs, inputs, budget, "project_budget_");

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 
 namespace prunopt {
 
@@ -23,15 +24,28 @@ inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* n
       ref_name, " (", ref.device(), "), got ", t.device());
 }
 
-inline void check_rgf_alpha(double rgf_alpha, const char* op) {
+// The kernels compute in the tensor's opmath type (float for float16,
+// bfloat16 and float32): a scalar argument above its largest finite value
+// would be inf there (inf * 0 = NaN where the float64 reference is finite).
+inline double opmath_max(at::ScalarType dtype) {
+  return dtype == at::kDouble ? std::numeric_limits<double>::max()
+                              : static_cast<double>(std::numeric_limits<float>::max());
+}
+
+inline void check_rgf_alpha(double rgf_alpha, const char* op, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(std::isfinite(rgf_alpha) && rgf_alpha >= 0.0, op,
       ": alpha (the elu slope of the rectified gradient flow) must be a finite number >= 0, got ",
       rgf_alpha);
+  TORCH_CHECK_VALUE(rgf_alpha <= opmath_max(dtype), op,
+      ": alpha (the elu slope of the rectified gradient flow) must be at most ", opmath_max(dtype),
+      " (the largest finite value the kernel computes with for ", dtype, " tensors), got ", rgf_alpha);
 }
 
-inline void check_temperature(double t, const char* name, const char* op) {
+inline void check_temperature(double t, const char* name, const char* op, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(std::isfinite(t) && t > 0.0, op, ": ", name,
       " must be a finite temperature > 0, got ", t);
+  TORCH_CHECK_VALUE(t <= opmath_max(dtype), op, ": ", name, " must be at most ", opmath_max(dtype),
+      " (the largest finite value the kernel computes with for ", dtype, " tensors), got ", t);
 }
 
 // alpha: (groups, n) with n >= 1; beta: (groups,).
@@ -48,7 +62,7 @@ inline void check_gate_args(const at::Tensor& alpha, const at::Tensor& beta, dou
       ": beta must have the dtype of alpha (", alpha.scalar_type(), "), got ", beta.scalar_type());
   TORCH_CHECK_VALUE(beta.device() == alpha.device(), op,
       ": beta must be on the device of alpha (", alpha.device(), "), got ", beta.device());
-  check_rgf_alpha(rgf_alpha, op);
+  check_rgf_alpha(rgf_alpha, op, alpha.scalar_type());
 }
 
 }  // namespace prunopt

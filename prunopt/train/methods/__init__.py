@@ -19,17 +19,16 @@ Single values are checked by the options' argparse ``type=`` functions
 (``prunopt.train.args.positive_float_arg`` and friends).
 
 ``fsdp`` is ``None`` for a method that runs under ``--fsdp`` (FSDP2), or the
-reason it cannot yet (then ``--fsdp`` with it is a usage error).
+reason it cannot yet (then ``--fsdp`` with it is a usage error). Every
+registered method runs sharded: a method does under ``--fsdp`` what it does
+under DDP, its transformations applied before :meth:`Job.prepare` (or to a
+:meth:`Job.plain_copy` of a trained model), its optimizers built after it
+(docs/distributed.md, "prunopt train under torchrun").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
-
-#: why a method cannot run under --fsdp yet, by the piece of the method that needs a sharded version
-FSDP_MASKS = ("its masks are plain tensors multiplied into the parameters after every step, which FSDP2 shards "
-              "(sharded masks are not there yet)")
-
 
 @dataclass
 class MethodEntry:

@@ -67,15 +67,17 @@ def run(args, job=None) -> Summary:
     t_l = getattr(args, "ap_tl", 1000.0)
     t_s = getattr(args, "ap_ts", None)
     gamma = args.ap_gamma if getattr(args, "ap_gamma", None) is not None else 3e-4
+    # the masks wrap layers: on a plain copy of the trained network (before wrapping), then prepared
+    model = job.plain_copy(model)
     wrap_two_temperature_masks(model, t_l=t_l, t_s=t_s, generator=torch.Generator().manual_seed(args.seed))
-    masks = two_temperature_masks(model)
     target = 1.0 - args.density
-    weights = [p for n, p in model.named_parameters() if not n.endswith(".w")]
     # the masks freeze in the middle of an epoch once the target is reached: their logits stop getting gradients
     model = job.prepare(model, find_unused_parameters=True)
+    masks = two_temperature_masks(model)
+    weights = [p for n, p in model.named_parameters() if not n.endswith(".w")]  # after prepare: FSDP2 swaps them
     opt = torch.optim.Adam([dict(params=weights, lr=lr * 0.1), dict(params=[m.w for m in masks], lr=lr * 0.1)])
     state = {"stopped": stop_at_sparsity(masks, target), "search_epochs": 0}
-    job.track(optimizer=opt, search=state)
+    job.track(model=model, optimizer=opt, search=state)
 
     def after():
         if not state["stopped"]:
@@ -108,5 +110,4 @@ def run(args, job=None) -> Summary:
 
 
 register_method("ap", run, "architecture pruning: two-temperature masks (t_l=1000, t_s=t_l/100) searched to the "
-                "target sparsity, then fine-tuning", add_arguments, check_arguments,
-                fsdp="the mask regulariser and the sparsity stop read sharded mask logits outside the forward pass")
+                "target sparsity, then fine-tuning", add_arguments, check_arguments, fsdp=None)

@@ -113,7 +113,8 @@ def run(args, job=None) -> Summary:
     dense_acc = job.value("dense_acc", lambda: accuracy(model))
     dense_weights = prunable_weights(model)
 
-    convert_to_sparse_batchnorm(model, preserve=True)
+    # the conversion swaps layers: on a plain copy of the trained network (before wrapping), then prepared
+    model = convert_to_sparse_batchnorm(job.plain_copy(model), preserve=True)
     model = job.prepare(model)
     norm = getattr(args, "ds_norm", "l1")
     lam_f = args.ds_lambda if getattr(args, "ds_lambda", None) is not None else DEFAULT_LAMBDA[norm]
@@ -122,7 +123,7 @@ def run(args, job=None) -> Summary:
         raise ValueError(f"--ds-lambda must be >= 0, got {lam_f}")
     opt, sched = ds_optimizer(model, lr, 2 * epochs)
     state = {"lam": 0.0}
-    job.track(optimizer=opt, scheduler=sched, strength=state)
+    job.track(model=model, optimizer=opt, scheduler=sched, strength=state)
 
     def reg():
         gs = sparse_gates(model)
@@ -136,7 +137,8 @@ def run(args, job=None) -> Summary:
         sched.step()
         job.log(**{"test accuracy": accuracy(model), "gate density": gate_density(model)})
 
-    small = remove_channels(model, example_input=data.x_test[:64])
+    # the export works on the whole network: a plain copy of it under --fsdp
+    small = remove_channels(job.plain_copy(model) if job.fsdp else model, example_input=data.x_test[:64])
     pruned_acc = accuracy(small)
     density = prunable_weights(small) / dense_weights
     summary = Summary("ds", dense_acc, pruned_acc, density,
@@ -146,5 +148,4 @@ def run(args, job=None) -> Summary:
 
 
 register_method("ds", run, "differentiable sparsification: sparse-BN gates driven to exact zeros by an l1 or "
-                "group l2,1 penalty, zero-gated channels removed", add_arguments, check_arguments,
-                fsdp="the sparse-BN gate regulariser reads sharded parameters outside the forward pass")
+                "group l2,1 penalty, zero-gated channels removed", add_arguments, check_arguments, fsdp=None)

@@ -13,7 +13,6 @@ on the example CNN.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -86,7 +85,7 @@ def run(args, job=None) -> Summary:
         job.log(**{"test accuracy": accuracy(model), "density": 1.0})
     dense_acc = job.value("dense_acc", lambda: accuracy(model))
 
-    masked = copy.deepcopy(model)
+    masked = job.plain_copy(model)  # the masks go on a plain copy (before wrapping), then it is prepared
     apply_probmask(masked, init=1.0, tau=1.0)
     masked = job.prepare(masked)
     scores = probmask_scores(masked)
@@ -124,5 +123,4 @@ def run(args, job=None) -> Summary:
 
 
 register_method("probmask", run, "ProbMask: probabilistic weight masks trained under an annealed global budget, "
-                "then fixed and fine-tuned", add_arguments, check_arguments,
-                fsdp="the budget projection of the mask scores over parameter shards is not there yet")
+                "then fixed and fine-tuned", add_arguments, check_arguments, fsdp=None)

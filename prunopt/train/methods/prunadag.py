@@ -57,5 +57,4 @@ def run(args, job=None) -> Summary:
 
 
 register_method("prunadag", run, "prunAdag: Adagrad restricted to the relevant weights each step, then a posteriori "
-                "magnitude pruning to --sparsity", add_arguments, check_density,
-                fsdp="PrunAdag's global top-T selection across parameter shards is not there yet")
+                "magnitude pruning to --sparsity", add_arguments, check_density, fsdp=None)

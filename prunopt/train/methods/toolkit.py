@@ -36,7 +36,7 @@ from prunopt.pruning import (
 from prunopt.train.data import load_digits
 from prunopt.train.job import Job
 from prunopt.train.loop import Summary, iterate_minibatches
-from prunopt.train.methods import FSDP_MASKS, check_density, register_method
+from prunopt.train.methods import check_density, register_method
 from prunopt.train.models import SmallCNN
 
 TOOLKIT_METHODS = {
@@ -148,20 +148,36 @@ def run_toolkit(method: str, args, job=None) -> Summary:
         job.track(dense_model=dense, dense_optimizer=opt, dense_scheduler=sched, dense_data_order=g)
         return _train(job, dense, opt, sched, data, args, epochs, g, "dense")
 
-    def masked_model():
-        opt, sched = _optimizer(model, lr, epochs)
-        masker = Masker(model, opt)
+    def masked_model(before_wrapping=None):
+        """Masks on ``model``, then ``job.prepare`` (under --fsdp it shards the
+        model), then the optimizer (FSDP2 replaces the parameters).
+        ``before_wrapping(masker)`` runs on the plain masked model."""
+        masker = Masker(model)
+        if before_wrapping is not None:
+            before_wrapping(masker)
         job.prepare(model)  # after the masks are in place
+        opt, sched = _optimizer(model, lr, epochs)
+        masker.attach(opt)
         job.track(model=model, optimizer=opt, scheduler=sched, masker=masker)
         return opt, sched, masker
 
     if method in ("pai-random", "snip", "grasp", "synflow"):
         dense_acc = dense_baseline()
-        opt, sched, masker = masked_model()
         score = "random" if method == "pai-random" else method
-        pai = PruningAtInit(masker, score, sparsity, generator=torch.Generator().manual_seed(args.seed))
         batches = list(iterate_minibatches(data.x_train, data.y_train, args.batch_size, gen))[: args.score_batches]
-        pai.prune(batches=batches, example_input=data.x_train[:1])
+        pai = []
+
+        def prune(masker):
+            pai.append(PruningAtInit(masker, score, sparsity, generator=torch.Generator().manual_seed(args.seed)))
+            pai[0].prune(batches=batches, example_input=data.x_train[:1])
+
+        # every rank scores the same global batches. GraSP's Hessian-vector product (a double
+        # backward) needs the whole model: it scores before --fsdp shards it (each rank alike);
+        # the other scores are taken on the prepared model (sharded scores under --fsdp)
+        opt, sched, masker = masked_model(prune if method == "grasp" else None)
+        if method != "grasp":
+            prune(masker)
+        pai = pai[0]
         job.track(method=pai)
         pruned_acc = _train(job, model, opt, sched, data, args, epochs, gen, method, pai.step, masker)
     elif method in ("set", "rigl"):
@@ -191,10 +207,13 @@ def run_toolkit(method: str, args, job=None) -> Summary:
             FineTuning(masker, sparsity).prune()
             pruned_acc = job.evaluate(model, data.x_test, data.y_test)
     elif method == "ft":
-        model = job.prepare(model)
-        opt, sched = _optimizer(model, lr, epochs)
-        job.track(model=model, optimizer=opt, scheduler=sched)
-        dense_acc = _train(job, model, opt, sched, data, args, epochs, gen, "pretrain")
+        dense = job.prepare(model)
+        opt, sched = _optimizer(dense, lr, epochs)
+        job.track(model=dense, optimizer=opt, scheduler=sched)
+        dense_acc = _train(job, dense, opt, sched, data, args, epochs, gen, "pretrain")
+        # masks go on a plain copy of the trained network (before wrapping), which is then prepared
+        model = job.plain_copy(dense)
+        del dense, opt, sched
         opt, sched, masker = masked_model()  # App. G.6: the dense schedule again, high LR first
         ft = FineTuning(masker, sparsity)
         ft.prune()
@@ -254,7 +273,7 @@ def _checker(method: str):
 
 
 for _name, _help in TOOLKIT_METHODS.items():
-    register_method(_name, _runner(_name), _help, add_arguments, _checker(_name), fsdp=FSDP_MASKS)
+    register_method(_name, _runner(_name), _help, add_arguments, _checker(_name), fsdp=None)
 
 
 # ---------------------------------------------------------------- compare
