@@ -95,11 +95,13 @@ namespace AVX512 {
 const GateKernels* gate_kernels();
 }
 
-// The kernels of the capability the CPU runs now, or nullptr for the scalar
-// path (reads the environment: call once per op, outside the loops).
-inline const GateKernels* gate_kernels() {
+// The kernels of the capability the CPU runs now, at most `widest`, or nullptr
+// for the scalar path (reads the environment: call once per op, outside the
+// loops). A kernel that is measured slower in its AVX-512 clone caps it at AVX2.
+inline const GateKernels* gate_kernels(vec::Capability widest = vec::Capability::kAvx512) {
 #if PRUNOPT_VEC_X86
-  switch (vec::cpu_capability()) {
+  const vec::Capability cap = vec::cpu_capability();
+  switch (static_cast<int>(cap) < static_cast<int>(widest) ? cap : widest) {
     case vec::Capability::kAvx512:
       return AVX512::gate_kernels();
     case vec::Capability::kAvx2:
@@ -108,6 +110,7 @@ inline const GateKernels* gate_kernels() {
       return nullptr;
   }
 #else
+  (void)widest;
   return nullptr;
 #endif
 }
@@ -301,12 +304,14 @@ void nonneg_galpha_scalar(const T* g, const T* a, const double* buf, const doubl
 // ---------------------------------------------------------------------------
 
 // y = op(x) into a new contiguous tensor (half/bfloat16/float/double; x is
-// validated by the caller), parallel over chunks of at least `grain`.
+// validated by the caller), parallel over chunks of at least `grain`; the
+// vector kernels of at most the capability `widest` (see gate_kernels).
 template <typename Op, typename VecFn>
-at::Tensor map_unary(const at::Tensor& x_in, int64_t grain, const Op& op, const VecFn& vfn) {
+at::Tensor map_unary(const at::Tensor& x_in, int64_t grain, const Op& op, const VecFn& vfn,
+    vec::Capability widest = vec::Capability::kAvx512) {
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const GateKernels* k = gate_kernels();
+  const GateKernels* k = gate_kernels(widest);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "prunopt_map_unary", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
