@@ -24,10 +24,10 @@ at::Tensor rgf_relu_cpu(const at::Tensor& x, double alpha) {
   check_float_tensor(x, "x", "rgf_relu");
   check_rgf_alpha(alpha, "rgf_relu", x.scalar_type());
   // At most the AVX2 clone: relu is a streaming copy with a max, and its
-  // AVX-512 clone was measured slower than its AVX2 clone on the 2-vCPU Xeon
-  // (AVX-512) host at 1M elements, 1 thread: float32 0.51-0.62 ms vs 0.45-0.47
-  // ms (1.13-1.33x), float64 1.54-1.58 vs 1.39-1.46 ms (1.08-1.19x), at par
-  // at 64K (bench/compare_builds.py; bench/results/simd_aten.md).
+  // AVX-512 clone took 1.12-1.32x the time of its AVX2 clone at 1M float32
+  // elements, 1 thread, in three runs on a 2-vCPU Xeon with AVX-512 (0.51-0.62
+  // ms vs 0.45-0.48 ms; float64 0.98-1.11x; bench/compare_builds.py,
+  // bench/results/simd_aten.md).
   return g::map_unary(
       x, kGrainForward, g::ReluOp{}, [](const auto& k, const auto* xp, auto* yp, int64_t n) { k.relu(xp, yp, n); },
       prunopt::vec::Capability::kAvx2);
