@@ -64,8 +64,10 @@ def _prunadag_cases(torch, dtype):
     ops = torch.ops.prunopt
     gen = torch.Generator().manual_seed(0)
     dn = str(dtype).replace("torch.", "")
-    shapes = [(1024, 1024), (512, 512), (1000,)]  # ~1.3M elements over three tensors
-    for version in (0, 3):
+    # ~1.3M elements over three tensors (beyond the caches: memory bound), and
+    # ~66K (in L2: the arithmetic of the passes shows)
+    for shapes, version in [(s, v) for s in ([(1024, 1024), (512, 512), (1000,)], [(256, 256), (1000,)])
+                            for v in (0, 3)]:
         params = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
         grads = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) * 1e-2 for s in shapes]
         opt = [torch.full(s, 1e-3, dtype=dtype) for s in shapes]
