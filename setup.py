@@ -42,7 +42,11 @@ def extensions():
     # Wanted FMAs are written as intrinsics.
     # -g0 (after Python's -g): the debug information of the torch headers and
     # of the unrolled kernels was half of the compile time.
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-g" if _flag("PRUNOPT_DEBUG") else "-g0"]
+    # -Wno-unknown-pragmas: ATen's vec headers (the per-capability gate kernels,
+    # csrc/cpu/gates_*.cpp) write `#pragma unroll`, which GCC < 13 reports and
+    # cannot be told to ignore from inside the file (GCC PR 53431).
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-Wno-unknown-pragmas",
+           "-g" if _flag("PRUNOPT_DEBUG") else "-g0"]
     use_cuda = (
         not _flag("PRUNOPT_NO_CUDA")
         and torch.version.cuda is not None

@@ -22,7 +22,13 @@
 // of the thread count, so every sum has a fixed order and results are
 // deterministic) and run with at::parallel_for over all tensors at once.
 // The scan and element passes are written once (prunadag_kernels.inc) over a
-// SIMD traits type, compiled for SSE2 and for AVX2+FMA, chosen at run time.
+// SIMD traits type, compiled for SSE2, AVX2+FMA and AVX-512, chosen at run
+// time. The AVX2 traits are ATen's at::vec::Vectorized (at par with the
+// hand-written AVX2 intrinsics they replaced); the AVX-512 traits stay
+// hand-written (mask registers: measured faster than a Vectorized form, see
+// there), and so do the SSE2 ones (the x86-64 baseline; not measured against
+// Vectorized's DEFAULT form, which one translation unit cannot hold beside
+// the AVX2 one).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -40,6 +46,20 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define PRUNOPT_PRUNADAG_X86 1
+#endif
+
+#if defined(PRUNOPT_PRUNADAG_X86)
+// ATen's vec headers for the AVX2 clone (at::vec::Vectorized in its AVX2 form,
+// inline namespace AVX2; see prunopt/vec_capability.h), before anything of
+// our own: the AVX-512 and SSE2 clones below keep their own intrinsics.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#pragma GCC diagnostic push
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#include "prunopt/vec_target.h"
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
 #endif
 
 #include "prunopt/checks.h"
@@ -319,36 +339,56 @@ struct SimdOf<double> { using type = SimdD; };
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,popcnt,bmi")
 namespace avx2 {
-struct SimdF {
-  using T = float;
-  using V = __m256;
-  using Acc = __m256d;
-  static constexpr int W = 8;
-  static constexpr bool kApprox = true;  // rsqrt (relative error <= 1.5 * 2^-12)
-  static V rsqrt(V a) { return _mm256_rsqrt_ps(a); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float v) { return _mm256_set1_ps(v); }
-  static V zero() { return _mm256_setzero_ps(); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm256_div_ps(a, b); }
-  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
-  static V min(V a, V b) { return _mm256_min_ps(a, b); }
-  static V ge(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
-  static V gt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
-  static V lt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
-  static V le(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
-  static V nlt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); }
-  static V and_(V a, V b) { return _mm256_and_ps(a, b); }
-  static V or_(V a, V b) { return _mm256_or_ps(a, b); }
-  static V andnot(V a, V b) { return _mm256_andnot_ps(a, b); }
-  static V blend(V m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
-  static V signbit() { return _mm256_set1_ps(-0.0f); }
-  static V ones() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
-  static int movemask(V a) { return _mm256_movemask_ps(a); }
+// The AVX2 clone's traits on ATen's at::vec::Vectorized in its AVX2 form
+// (included at the top of this file for CPU_CAPABILITY=AVX2): 8 float / 4
+// double lanes, compare results as all-ones lanes. Four operations have no
+// Vectorized form and stay intrinsics: the approximate rsqrt (Vectorized's
+// rsqrt is the exact 1 / sqrt), movemask, the left-packing permute of
+// compress_store and the float -> double widening of the sums.
+template <typename TT>
+struct VecSimd {
+  using T = TT;
+  using V = at::vec::Vectorized<T>;
   using M = V;  // a compare lane is all ones or all zeros
+  using Acc = at::vec::Vectorized<double>;
+  static constexpr bool kFloat = std::is_same_v<T, float>;
+  static constexpr int W = V::size();
+  static constexpr bool kApprox = kFloat;  // float: rsqrt (relative error <= 1.5 * 2^-12)
+  static V rsqrt(V a) {
+    if constexpr (kFloat) {
+      return _mm256_rsqrt_ps(a);
+    } else {
+      return a;  // unused (kApprox = false)
+    }
+  }
+  static V load(const T* p) { return V::loadu(p); }
+  static void store(T* p, V v) { v.store(p); }
+  static V set1(T v) { return V(v); }
+  static V zero() { return V(T(0)); }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V sqrt(V a) { return a.sqrt(); }
+  static V min(V a, V b) { return at::vec::clamp_max(b, a); }  // vminps a, b: b where either is NaN
+  static V ge(V a, V b) { return a >= b; }  // ordered compares: false for NaN
+  static V gt(V a, V b) { return a > b; }
+  static V lt(V a, V b) { return a < b; }
+  static V le(V a, V b) { return a <= b; }
+  static V nlt(V a, V b) { return (a < b) ^ ones(); }  // not (a < b): true for NaN
+  static V and_(V a, V b) { return a & b; }
+  static V or_(V a, V b) { return a | b; }
+  static V andnot(V a, V b) { return (a ^ ones()) & b; }  // ~a & b
+  static V blend(V m, V a, V b) { return V::blendv(b, a, m); }  // a where m
+  static V signbit() { return V(T(-0.0)); }
+  static V ones() { return at::vec::cast<T>(at::vec::Vectorized<at::vec::int_same_size_t<T>>(-1)); }
+  static int movemask(V a) {
+    if constexpr (kFloat) {
+      return _mm256_movemask_ps(a);
+    } else {
+      return _mm256_movemask_pd(a);
+    }
+  }
   static M mand(M a, M b) { return and_(a, b); }
   static M mor(M a, M b) { return or_(a, b); }
   static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
@@ -359,105 +399,58 @@ struct SimdF {
   // v where m (resp. where not m), old elsewhere; old is what p holds
   static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
   static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
-  using C = __m256i;
-  static C cnt_zero() { return _mm256_setzero_si256(); }
-  static C cnt_add(C c, V mask) { return _mm256_sub_epi32(c, _mm256_castps_si256(mask)); }
+  // per-lane counts of true compare lanes, in T: exact (a piece is <= kChunk
+  // elements, far below 2^24 per lane)
+  using C = V;
+  static C cnt_zero() { return zero(); }
+  static C cnt_add(C c, M mask) { return c + (mask & V(T(1))); }
   static int64_t cnt_sum(C c) {
-    alignas(32) int32_t t[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(t), c);
+    alignas(32) T t[W];
+    c.store(t);
     int64_t s = 0;
-    for (int j = 0; j < 8; ++j) s += t[j];
+    for (int j = 0; j < W; ++j) s += static_cast<int64_t>(t[j]);
     return s;
   }
-  static void compress_store(float* dst, V v, int mask) {
-    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.f[mask]));
-    _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, perm));
+  static void compress_store(T* dst, V v, int mask) {
+    if constexpr (kFloat) {
+      const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.f[mask]));
+      _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, perm));
+    } else {
+      const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.d[mask]));
+      _mm256_storeu_pd(dst, _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm)));
+    }
   }
-  static Acc acc_zero() { return _mm256_setzero_pd(); }
-  static V sq_add(V acc, V v) { return _mm256_fmadd_ps(v, v, acc); }
+  static Acc acc_zero() { return Acc(0.0); }
+  static V sq_add(V acc, V v) { return at::vec::fmadd(v, v, acc); }
   static void acc_add(Acc& acc, V v) {
-    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
-        _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+    if constexpr (kFloat) {
+      acc = acc + (lo_pd(v) + hi_pd(v));
+    } else {
+      acc = acc + v;
+    }
   }
   static void acc_sq(Acc& acc, V v) {
-    const __m256d l = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), h = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    acc = _mm256_fmadd_pd(l, l, acc);
-    acc = _mm256_fmadd_pd(h, h, acc);
+    if constexpr (kFloat) {
+      const Acc l = lo_pd(v), h = hi_pd(v);
+      acc = at::vec::fmadd(l, l, acc);
+      acc = at::vec::fmadd(h, h, acc);
+    } else {
+      acc = at::vec::fmadd(v, v, acc);
+    }
   }
   static double acc_sum(Acc a) {
-    double t[4];
-    _mm256_storeu_pd(t, a);
+    alignas(32) double t[4];
+    a.store(t);
     return (t[0] + t[1]) + (t[2] + t[3]);
   }
-};
-struct SimdD {
-  using T = double;
-  using V = __m256d;
-  using Acc = __m256d;
-  static constexpr int W = 4;
-  static constexpr bool kApprox = false;
-  static V rsqrt(V a) { return a; }  // unused (kApprox = false)
-  static V load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
-  static V set1(double v) { return _mm256_set1_pd(v); }
-  static V zero() { return _mm256_setzero_pd(); }
-  static V add(V a, V b) { return _mm256_add_pd(a, b); }
-  static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
-  static V div(V a, V b) { return _mm256_div_pd(a, b); }
-  static V sqrt(V a) { return _mm256_sqrt_pd(a); }
-  static V min(V a, V b) { return _mm256_min_pd(a, b); }
-  static V ge(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_GE_OQ); }
-  static V gt(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
-  static V lt(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_LT_OQ); }
-  static V le(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_LE_OQ); }
-  static V nlt(V a, V b) { return _mm256_cmp_pd(a, b, _CMP_NLT_UQ); }
-  static V and_(V a, V b) { return _mm256_and_pd(a, b); }
-  static V or_(V a, V b) { return _mm256_or_pd(a, b); }
-  static V andnot(V a, V b) { return _mm256_andnot_pd(a, b); }
-  static V blend(V m, V a, V b) { return _mm256_blendv_pd(b, a, m); }
-  static V signbit() { return _mm256_set1_pd(-0.0); }
-  static V ones() { return _mm256_castsi256_pd(_mm256_set1_epi32(-1)); }
-  static int movemask(V a) { return _mm256_movemask_pd(a); }
-  using M = V;  // a compare lane is all ones or all zeros
-  static M mand(M a, M b) { return and_(a, b); }
-  static M mor(M a, M b) { return or_(a, b); }
-  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
-  static M mfalse() { return zero(); }
-  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
-  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
-  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
-  // v where m (resp. where not m), old elsewhere; old is what p holds
-  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
-  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
-  using C = __m256i;
-  static C cnt_zero() { return _mm256_setzero_si256(); }
-  static C cnt_add(C c, V mask) { return _mm256_sub_epi64(c, _mm256_castpd_si256(mask)); }
-  static int64_t cnt_sum(C c) {
-    alignas(32) int64_t t[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(t), c);
-    return (t[0] + t[1]) + (t[2] + t[3]);
-  }
-  static void compress_store(double* dst, V v, int mask) {
-    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.d[mask]));
-    _mm256_storeu_pd(dst, _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm)));
-  }
-  static Acc acc_zero() { return _mm256_setzero_pd(); }
-  static V sq_add(V acc, V v) { return _mm256_fmadd_pd(v, v, acc); }
-  static void acc_add(Acc& acc, V v) { acc = _mm256_add_pd(acc, v); }
-  static void acc_sq(Acc& acc, V v) { acc = _mm256_fmadd_pd(v, v, acc); }
-  static double acc_sum(Acc a) {
-    double t[4];
-    _mm256_storeu_pd(t, a);
-    return (t[0] + t[1]) + (t[2] + t[3]);
-  }
+  // the halves of a float vector in double
+  static Acc lo_pd(V v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
+  static Acc hi_pd(V v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
 };
 template <typename T>
-struct SimdOf;
-template <>
-struct SimdOf<float> { using type = SimdF; };
-template <>
-struct SimdOf<double> { using type = SimdD; };
+struct SimdOf {
+  using type = VecSimd<T>;
+};
 #include "prunadag_kernels.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -467,6 +460,14 @@ struct SimdOf<double> { using type = SimdD; };
 // constants to the stack and spent three uops per vblendvps on recent cores).
 // The element pass does the same IEEE operations per element as the other
 // clones (no FMA in it), so it gives the same bits.
+// Hand-written on purpose: the AVX2 clone's at::vec traits compiled for
+// CPU_CAPABILITY=AVX512 (compares as all-ones vectors, blendv, full stores;
+// the same intrinsics for rsqrt14, compress and the mask) took 0.92-1.18x the
+// time of these with 1 thread (16 paired measurements of prunadag_step_,
+// versions 0 and 3, float32 and float64, 66K and 1.3M elements; median 1.02x)
+// and 0.96-1.33x with 2 threads (float32 at 1.3M elements 1.15x and 1.33x),
+// on a shared 2-vCPU Xeon with AVX-512 (bench/compare_builds.py,
+// bench/results/simd_aten.md).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx2,fma,popcnt,bmi")
 namespace avx512 {

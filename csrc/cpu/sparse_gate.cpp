@@ -16,8 +16,9 @@
 //   non-negative: h_j = (g_j - <g, a>) / T  (T := 1 when T = 0), q_j = h_j d(u_j),
 //                 Q = sum q, dalpha_k = gamma_k (q_k - s Q),  dbeta = -s' G Q
 //
-// All arithmetic and every sum is in double (float inputs are widened on load,
-// 4 double lanes of AVX2 when the CPU has them, prunopt/sparsification_simd.h).
+// All arithmetic and every sum is in double (float inputs are widened on load;
+// float/double rows run ATen's Vectorized per CPU capability, 4 double lanes
+// with AVX2 and 8 with AVX-512: gates_kernels.inc, prunopt/gates_kernels.h).
 // Each group is a few passes over its row: one reduction per sum, then the
 // elementwise output. Two layouts:
 //   * many groups: rows are split over threads; the per-element quantities a
@@ -43,16 +44,16 @@
 #include <tuple>
 #include <vector>
 
+#include "prunopt/gates_kernels.h"
 #include "prunopt/sparsification.h"
 #include "prunopt/sparsification_checks.h"
-#include "prunopt/sparsification_simd.h"
 
 namespace prunopt {
 namespace cpu {
 namespace {
 
 namespace sp = prunopt::sparsification;
-namespace sd = prunopt::simd;
+namespace g = prunopt::gates;
 
 constexpr int64_t kGrain = 1 << 14;       // elements per task at least
 constexpr int64_t kMaxScratch = 1 << 14;  // longest row kept in the scratch (2 x 128 KiB)
@@ -63,374 +64,55 @@ inline double* offset(double* p, int64_t b) {
   return p == nullptr ? nullptr : p + b;
 }
 
+// The segment primitives of one op call (prunopt/gates_kernels.h): the vector
+// kernels of the CPU's capability for float/double (the table chosen once per
+// call), else the scalar forms from index 0.
 template <typename T>
-inline double ld(const T* p, int64_t i) {
-  return static_cast<double>(p[i]);
-}
+struct Prims {
+  const g::GateKernelsT<T>* v = nullptr;
 
-// gamma_i: from the scratch when it holds it, else exp(alpha_i)
-template <typename T>
-inline double gamma_at(const T* a, const double* buf, int64_t i) {
-  return buf != nullptr ? buf[i] : std::exp(ld(a, i));
-}
-
-struct Sum2 {
-  double t = 0, w = 0;
-  Sum2& operator+=(const Sum2& o) {
-    t += o.t;
-    w += o.w;
-    return *this;
+  explicit Prims(const g::GateKernels* k) {
+    if constexpr (g::has_vec<T>) {
+      if (k != nullptr) v = &k->get<T>();
+    }
+  }
+  double sum_abs(const T* a, int64_t n) const {
+    return v ? v->sum_abs(a, n) : g::sum_abs_scalar(a, 0, n);
+  }
+  void signed_forward(const T* a, double th, T* out, int64_t n) const {
+    v ? v->signed_forward(a, th, out, n) : g::signed_forward_scalar(a, th, out, 0, n);
+  }
+  double sum_exp(const T* a, double* buf, int64_t n) const {
+    return v ? v->sum_exp(a, buf, n) : g::sum_exp_scalar(a, buf, 0, n);
+  }
+  double nonneg_gt(const T* a, double* buf, double th, int64_t n) const {
+    return v ? v->nonneg_gt(a, buf, th, n) : g::nonneg_gt_scalar(a, buf, th, 0, n);
+  }
+  void divide(const T* a, const double* buf, double th, double Ts, T* out, int64_t n) const {
+    v ? v->divide(a, buf, th, Ts, out, n) : g::divide_scalar(a, buf, th, Ts, out, 0, n);
+  }
+  double signed_t(const T* gr, const T* a, double th, double rgf, double* buf, int64_t n) const {
+    return v ? v->signed_t(gr, a, th, rgf, buf, n) : g::signed_t_scalar(gr, a, th, rgf, buf, 0, n);
+  }
+  void signed_galpha(const T* gr, const T* a, const double* buf, double th, double rgf, double sP, T* galpha,
+      int64_t n) const {
+    v ? v->signed_galpha(gr, a, buf, th, rgf, sP, galpha, n)
+      : g::signed_galpha_scalar(gr, a, buf, th, rgf, sP, galpha, 0, n);
+  }
+  g::Sum2 nonneg_tw(const T* gr, const T* a, const double* buf, double th, int64_t n) const {
+    return v ? v->nonneg_tw(gr, a, buf, th, n) : g::nonneg_tw_scalar(gr, a, buf, th, 0, n);
+  }
+  double nonneg_q(const T* gr, const T* a, const double* buf, double th, double ga, double inv_ts, double rgf,
+      double* qbuf, int64_t n) const {
+    return v ? v->nonneg_q(gr, a, buf, th, ga, inv_ts, rgf, qbuf, n)
+             : g::nonneg_q_scalar(gr, a, buf, th, ga, inv_ts, rgf, qbuf, 0, n);
+  }
+  void nonneg_galpha(const T* gr, const T* a, const double* buf, const double* qbuf, double th, double ga,
+      double inv_ts, double rgf, double sQ, T* galpha, int64_t n) const {
+    v ? v->nonneg_galpha(gr, a, buf, qbuf, th, ga, inv_ts, rgf, sQ, galpha, n)
+      : g::nonneg_galpha_scalar(gr, a, buf, qbuf, th, ga, inv_ts, rgf, sQ, galpha, 0, n);
   }
 };
-
-// ---------------------------------------------------------------------------
-// Segment primitives, each over [0, n) of one row. `*_scalar(..., i, n)` runs
-// from index i (the vector tails and the non-AVX2 path), `*_avx2(..., n)` the
-// vector body. buf / qbuf are the optional double scratch rows: without them
-// (rows longer than kMaxScratch, split rows) a later pass recomputes the
-// per-element quantity in double instead of reading it back, so no
-// intermediate is ever rounded to (or overflows) the input dtype.
-// ---------------------------------------------------------------------------
-
-// sum |a_i|
-template <typename T>
-double sum_abs_scalar(const T* a, int64_t i, int64_t n) {
-  double s = 0;
-  for (; i < n; ++i) s += std::fabs(ld(a, i));
-  return s;
-}
-
-// out_i = sign(a_i) relu(|a_i| - th)
-template <typename T>
-void signed_forward_scalar(const T* a, double th, T* out, int64_t i, int64_t n) {
-  for (; i < n; ++i) {
-    const double x = ld(a, i);
-    out[i] = static_cast<T>(sp::sign(x) * sp::relu(std::fabs(x) - th));
-  }
-}
-
-// sum exp(a_i), gamma_i -> buf
-template <typename T>
-double sum_exp_scalar(const T* a, double* buf, int64_t i, int64_t n) {
-  double s = 0;
-  for (; i < n; ++i) {
-    const double e = std::exp(ld(a, i));
-    if (buf != nullptr) buf[i] = e;
-    s += e;
-  }
-  return s;
-}
-
-// gt_i = relu(gamma_i - th) -> buf (if any); returns sum gt
-template <typename T>
-double nonneg_gt_scalar(const T* a, double* buf, double th, int64_t i, int64_t n) {
-  double s = 0;
-  for (; i < n; ++i) {
-    const double gt = sp::relu(gamma_at(a, buf, i) - th);
-    if (buf != nullptr) buf[i] = gt;
-    s += gt;
-  }
-  return s;
-}
-
-// out_i = gt_i / Ts, gt from buf (if any) or recomputed in double
-template <typename T>
-void divide_scalar(const T* a, const double* buf, double th, double Ts, T* out, int64_t i, int64_t n) {
-  for (; i < n; ++i) {
-    const double gt = buf != nullptr ? buf[i] : sp::relu(std::exp(ld(a, i)) - th);
-    out[i] = static_cast<T>(gt / Ts);
-  }
-}
-
-// t_i = g_i sign(a_i) d(|a_i| - th)
-template <typename T>
-inline double signed_t_at(const T* g, const T* a, double th, double rgf, int64_t i) {
-  const double x = ld(a, i);
-  return ld(g, i) * sp::sign(x) * sp::rgf_slope(std::fabs(x) - th, rgf);
-}
-
-// t -> buf (if any); returns P = sum t
-template <typename T>
-double signed_t_scalar(const T* g, const T* a, double th, double rgf, double* buf, int64_t i, int64_t n) {
-  double s = 0;
-  for (; i < n; ++i) {
-    const double t = signed_t_at(g, a, th, rgf, i);
-    if (buf != nullptr) buf[i] = t;
-    s += t;
-  }
-  return s;
-}
-
-// galpha_i = sign(a_i) (t_i - sP), t from buf (if any) or recomputed in double
-template <typename T>
-void signed_galpha_scalar(const T* g, const T* a, const double* buf, double th, double rgf, double sP, T* galpha,
-    int64_t i, int64_t n) {
-  for (; i < n; ++i) {
-    const double t = buf != nullptr ? buf[i] : signed_t_at(g, a, th, rgf, i);
-    galpha[i] = static_cast<T>(sp::sign(ld(a, i)) * (t - sP));
-  }
-}
-
-// sum gt_i and sum g_i gt_i, gt_i = relu(gamma_i - th)
-template <typename T>
-Sum2 nonneg_tw_scalar(const T* g, const T* a, const double* buf, double th, int64_t i, int64_t n) {
-  Sum2 s;
-  for (; i < n; ++i) {
-    const double gt = sp::relu(gamma_at(a, buf, i) - th);
-    s.t += gt;
-    s.w += ld(g, i) * gt;
-  }
-  return s;
-}
-
-// q_i = (g_i - ga) / Ts d(gamma_i - th)
-template <typename T>
-inline double nonneg_q_at(const T* g, double gamma, double th, double ga, double inv_ts, double rgf, int64_t i) {
-  return (ld(g, i) - ga) * inv_ts * sp::rgf_slope(gamma - th, rgf);
-}
-
-// q -> qbuf (if any); returns Q = sum q
-template <typename T>
-double nonneg_q_scalar(const T* g, const T* a, const double* buf, double th, double ga, double inv_ts, double rgf,
-    double* qbuf, int64_t i, int64_t n) {
-  double s = 0;
-  for (; i < n; ++i) {
-    const double q = nonneg_q_at(g, gamma_at(a, buf, i), th, ga, inv_ts, rgf, i);
-    if (qbuf != nullptr) qbuf[i] = q;
-    s += q;
-  }
-  return s;
-}
-
-// galpha_i = gamma_i (q_i - sQ), q from qbuf (if any) or recomputed in double
-template <typename T>
-void nonneg_galpha_scalar(const T* g, const T* a, const double* buf, const double* qbuf, double th, double ga,
-    double inv_ts, double rgf, double sQ, T* galpha, int64_t i, int64_t n) {
-  for (; i < n; ++i) {
-    const double gamma = gamma_at(a, buf, i);
-    const double q = qbuf != nullptr ? qbuf[i] : nonneg_q_at(g, gamma, th, ga, inv_ts, rgf, i);
-    galpha[i] = static_cast<T>(gamma * (q - sQ));
-  }
-}
-
-#if PRUNOPT_SIMD_AVX2
-PRUNOPT_AVX2 inline __m256d vsign(__m256d x) {
-  const __m256d zero = _mm256_setzero_pd(), one = _mm256_set1_pd(1.0);
-  return _mm256_sub_pd(_mm256_and_pd(sd::vgt(x, zero), one), _mm256_and_pd(sd::vlt(x, zero), one));
-}
-PRUNOPT_AVX2 inline __m256d vrelu(__m256d x) {
-  return _mm256_max_pd(_mm256_setzero_pd(), x);  // NaN stays NaN
-}
-template <typename T>
-PRUNOPT_AVX2 inline __m256d vgamma(const T* a, const double* buf, int64_t i) {
-  return buf != nullptr ? _mm256_loadu_pd(buf + i) : sd::vexp(sd::vload4d(a + i));
-}
-
-template <typename T>
-PRUNOPT_AVX2 double sum_abs_avx2(const T* a, int64_t n) {
-  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc0 = _mm256_add_pd(acc0, sd::vabs(sd::vload4d(a + i)));
-    acc1 = _mm256_add_pd(acc1, sd::vabs(sd::vload4d(a + i + 4)));
-  }
-  for (; i + 4 <= n; i += 4) acc0 = _mm256_add_pd(acc0, sd::vabs(sd::vload4d(a + i)));
-  return sd::hsum(_mm256_add_pd(acc0, acc1)) + sum_abs_scalar(a, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 void signed_forward_avx2(const T* a, double th, T* out, int64_t n) {
-  const __m256d vth = _mm256_set1_pd(th);
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d x = sd::vload4d(a + i);
-    sd::vstore4d(out + i, _mm256_mul_pd(vsign(x), vrelu(_mm256_sub_pd(sd::vabs(x), vth))));
-  }
-  signed_forward_scalar(a, th, out, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 double sum_exp_avx2(const T* a, double* buf, int64_t n) {
-  __m256d acc = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d e = sd::vexp(sd::vload4d(a + i));
-    if (buf != nullptr) _mm256_storeu_pd(buf + i, e);
-    acc = _mm256_add_pd(acc, e);
-  }
-  return sd::hsum(acc) + sum_exp_scalar(a, buf, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 double nonneg_gt_avx2(const T* a, double* buf, double th, int64_t n) {
-  const __m256d vth = _mm256_set1_pd(th);
-  __m256d acc = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d gt = vrelu(_mm256_sub_pd(vgamma(a, buf, i), vth));
-    if (buf != nullptr) _mm256_storeu_pd(buf + i, gt);
-    acc = _mm256_add_pd(acc, gt);
-  }
-  return sd::hsum(acc) + nonneg_gt_scalar(a, buf, th, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 void divide_avx2(const T* a, const double* buf, double th, double Ts, T* out, int64_t n) {
-  const __m256d vts = _mm256_set1_pd(Ts), vth = _mm256_set1_pd(th);
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d gt =
-        buf != nullptr ? _mm256_loadu_pd(buf + i) : vrelu(_mm256_sub_pd(sd::vexp(sd::vload4d(a + i)), vth));
-    sd::vstore4d(out + i, _mm256_div_pd(gt, vts));
-  }
-  divide_scalar(a, buf, th, Ts, out, i, n);
-}
-
-// t of the 4 elements at a + i, g + i (signed_t_at's operations)
-template <typename T>
-PRUNOPT_AVX2 inline __m256d vsigned_t(const T* g, const T* a, __m256d vth, __m256d vrgf, bool rgf_zero, int64_t i) {
-  const __m256d x = sd::vload4d(a + i);
-  const __m256d d = sd::vrgf_slope(_mm256_sub_pd(sd::vabs(x), vth), vrgf, rgf_zero);
-  return _mm256_mul_pd(_mm256_mul_pd(sd::vload4d(g + i), vsign(x)), d);
-}
-
-template <typename T>
-PRUNOPT_AVX2 double signed_t_avx2(const T* g, const T* a, double th, double rgf, double* buf, int64_t n) {
-  const __m256d vth = _mm256_set1_pd(th), vrgf = _mm256_set1_pd(rgf);
-  const bool rgf_zero = rgf == 0.0;
-  __m256d acc = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d t = vsigned_t(g, a, vth, vrgf, rgf_zero, i);
-    if (buf != nullptr) _mm256_storeu_pd(buf + i, t);
-    acc = _mm256_add_pd(acc, t);
-  }
-  return sd::hsum(acc) + signed_t_scalar(g, a, th, rgf, buf, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 void signed_galpha_avx2(const T* g, const T* a, const double* buf, double th, double rgf, double sP,
-    T* galpha, int64_t n) {
-  const __m256d vsp = _mm256_set1_pd(sP), vth = _mm256_set1_pd(th), vrgf = _mm256_set1_pd(rgf);
-  const bool rgf_zero = rgf == 0.0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d t = buf != nullptr ? _mm256_loadu_pd(buf + i) : vsigned_t(g, a, vth, vrgf, rgf_zero, i);
-    sd::vstore4d(galpha + i, _mm256_mul_pd(vsign(sd::vload4d(a + i)), _mm256_sub_pd(t, vsp)));
-  }
-  signed_galpha_scalar(g, a, buf, th, rgf, sP, galpha, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 Sum2 nonneg_tw_avx2(const T* g, const T* a, const double* buf, double th, int64_t n) {
-  const __m256d vth = _mm256_set1_pd(th);
-  __m256d acc_t = _mm256_setzero_pd(), acc_w = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d gt = vrelu(_mm256_sub_pd(vgamma(a, buf, i), vth));
-    acc_t = _mm256_add_pd(acc_t, gt);
-    acc_w = _mm256_fmadd_pd(sd::vload4d(g + i), gt, acc_w);
-  }
-  Sum2 s = nonneg_tw_scalar(g, a, buf, th, i, n);
-  s.t += sd::hsum(acc_t);
-  s.w += sd::hsum(acc_w);
-  return s;
-}
-
-// q of the 4 elements at i (nonneg_q_at's operations)
-template <typename T>
-PRUNOPT_AVX2 inline __m256d vnonneg_q(const T* g, __m256d gamma, __m256d vth, __m256d vga, __m256d vinv,
-    __m256d vrgf, bool rgf_zero, int64_t i) {
-  const __m256d d = sd::vrgf_slope(_mm256_sub_pd(gamma, vth), vrgf, rgf_zero);
-  return _mm256_mul_pd(_mm256_mul_pd(_mm256_sub_pd(sd::vload4d(g + i), vga), vinv), d);
-}
-
-template <typename T>
-PRUNOPT_AVX2 double nonneg_q_avx2(const T* g, const T* a, const double* buf, double th, double ga, double inv_ts,
-    double rgf, double* qbuf, int64_t n) {
-  const __m256d vth = _mm256_set1_pd(th), vga = _mm256_set1_pd(ga), vinv = _mm256_set1_pd(inv_ts),
-                vrgf = _mm256_set1_pd(rgf);
-  const bool rgf_zero = rgf == 0.0;
-  __m256d acc = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d q = vnonneg_q(g, vgamma(a, buf, i), vth, vga, vinv, vrgf, rgf_zero, i);
-    if (qbuf != nullptr) _mm256_storeu_pd(qbuf + i, q);
-    acc = _mm256_add_pd(acc, q);
-  }
-  return sd::hsum(acc) + nonneg_q_scalar(g, a, buf, th, ga, inv_ts, rgf, qbuf, i, n);
-}
-
-template <typename T>
-PRUNOPT_AVX2 void nonneg_galpha_avx2(const T* g, const T* a, const double* buf, const double* qbuf, double th,
-    double ga, double inv_ts, double rgf, double sQ, T* galpha, int64_t n) {
-  const __m256d vsq = _mm256_set1_pd(sQ), vth = _mm256_set1_pd(th), vga = _mm256_set1_pd(ga),
-                vinv = _mm256_set1_pd(inv_ts), vrgf = _mm256_set1_pd(rgf);
-  const bool rgf_zero = rgf == 0.0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const __m256d gamma = vgamma(a, buf, i);
-    const __m256d q = qbuf != nullptr ? _mm256_loadu_pd(qbuf + i) : vnonneg_q(g, gamma, vth, vga, vinv, vrgf, rgf_zero, i);
-    sd::vstore4d(galpha + i, _mm256_mul_pd(gamma, _mm256_sub_pd(q, vsq)));
-  }
-  nonneg_galpha_scalar(g, a, buf, qbuf, th, ga, inv_ts, rgf, sQ, galpha, i, n);
-}
-
-// AVX2 body for float/double when the CPU has it, else the scalar form from 0
-#define PRUNOPT_GATE_PRIMITIVE(fn, ...)                                 \
-  do {                                                                  \
-    if constexpr (sd::has_vec<T>) {                                     \
-      if (sd::avx2_enabled()) return fn##_avx2(__VA_ARGS__, n);         \
-    }                                                                   \
-    return fn##_scalar(__VA_ARGS__, 0, n);                              \
-  } while (0)
-#else
-#define PRUNOPT_GATE_PRIMITIVE(fn, ...) return fn##_scalar(__VA_ARGS__, 0, n)
-#endif
-
-template <typename T>
-double sum_abs(const T* a, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(sum_abs, a);
-}
-template <typename T>
-void signed_forward(const T* a, double th, T* out, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(signed_forward, a, th, out);
-}
-template <typename T>
-double sum_exp(const T* a, double* buf, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(sum_exp, a, buf);
-}
-template <typename T>
-double nonneg_gt(const T* a, double* buf, double th, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_gt, a, buf, th);
-}
-template <typename T>
-void divide(const T* a, const double* buf, double th, double Ts, T* out, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(divide, a, buf, th, Ts, out);
-}
-template <typename T>
-double signed_t(const T* g, const T* a, double th, double rgf, double* buf, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(signed_t, g, a, th, rgf, buf);
-}
-template <typename T>
-void signed_galpha(const T* g, const T* a, const double* buf, double th, double rgf, double sP, T* galpha, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(signed_galpha, g, a, buf, th, rgf, sP, galpha);
-}
-template <typename T>
-Sum2 nonneg_tw(const T* g, const T* a, const double* buf, double th, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_tw, g, a, buf, th);
-}
-template <typename T>
-double nonneg_q(const T* g, const T* a, const double* buf, double th, double ga, double inv_ts, double rgf,
-    double* qbuf, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_q, g, a, buf, th, ga, inv_ts, rgf, qbuf);
-}
-template <typename T>
-void nonneg_galpha(const T* g, const T* a, const double* buf, const double* qbuf, double th, double ga, double inv_ts,
-    double rgf, double sQ, T* galpha, int64_t n) {
-  PRUNOPT_GATE_PRIMITIVE(nonneg_galpha, g, a, buf, qbuf, th, ga, inv_ts, rgf, sQ, galpha);
-}
-#undef PRUNOPT_GATE_PRIMITIVE
 
 // ---------------------------------------------------------------------------
 // How the passes run. A pass is a reduction (per-row sums of f(r, b, e) over
@@ -503,63 +185,63 @@ struct Tiles {
 // The gates of the rows `run` covers. buf: double scratch of n entries for
 // WholeRow (or nullptr), always nullptr for Tiles.
 template <typename T, typename Run>
-void gate_forward(const Run& run, const T* alpha, const T* beta, int64_t n, bool is_signed, T* out, double* buf) {
+void gate_forward(const Run& run, const Prims<T>& pr, const T* alpha, const T* beta, int64_t n, bool is_signed, T* out, double* buf) {
   auto s = [&](int64_t r) { return sp::sigmoid(static_cast<double>(beta[r])); };
   if (is_signed) {
     const auto L = run.template reduce<double>(
-        [&](int64_t r, int64_t b, int64_t e) { return sum_abs(alpha + r * n + b, e - b); });
+        [&](int64_t r, int64_t b, int64_t e) { return pr.sum_abs(alpha + r * n + b, e - b); });
     run.each([&](int64_t r, int64_t b, int64_t e) {
-      signed_forward(alpha + r * n + b, s(r) * L[r], out + r * n + b, e - b);
+      pr.signed_forward(alpha + r * n + b, s(r) * L[r], out + r * n + b, e - b);
     });
     return;
   }
   const auto G = run.template reduce<double>(
-      [&](int64_t r, int64_t b, int64_t e) { return sum_exp(alpha + r * n + b, offset(buf, b), e - b); });
+      [&](int64_t r, int64_t b, int64_t e) { return pr.sum_exp(alpha + r * n + b, offset(buf, b), e - b); });
   const auto T_sum = run.template reduce<double>([&](int64_t r, int64_t b, int64_t e) {
-    return nonneg_gt(alpha + r * n + b, offset(buf, b), s(r) * G[r], e - b);
+    return pr.nonneg_gt(alpha + r * n + b, offset(buf, b), s(r) * G[r], e - b);
   });
   run.each([&](int64_t r, int64_t b, int64_t e) {
-    divide(alpha + r * n + b, offset(buf, b), s(r) * G[r], T_sum[r] > 0 ? T_sum[r] : 1.0, out + r * n + b, e - b);
+    pr.divide(alpha + r * n + b, offset(buf, b), s(r) * G[r], T_sum[r] > 0 ? T_sum[r] : 1.0, out + r * n + b, e - b);
   });
 }
 
 // The gradients of the rows `run` covers: dalpha into galpha, dbeta into gbeta.
 // buf, qbuf: double scratch rows for WholeRow (or nullptr), nullptr for Tiles.
 template <typename T, typename Run>
-void gate_backward(const Run& run, const T* grad, const T* alpha, const T* beta, int64_t n, bool is_signed,
+void gate_backward(const Run& run, const Prims<T>& pr, const T* grad, const T* alpha, const T* beta, int64_t n, bool is_signed,
     double rgf, T* galpha, T* gbeta, double* buf, double* qbuf) {
   auto s = [&](int64_t r) { return sp::sigmoid(static_cast<double>(beta[r])); };
   auto ds = [&](int64_t r) { return sp::sigmoid_slope(static_cast<double>(beta[r])); };
   if (is_signed) {
     const auto L = run.template reduce<double>(
-        [&](int64_t r, int64_t b, int64_t e) { return sum_abs(alpha + r * n + b, e - b); });
+        [&](int64_t r, int64_t b, int64_t e) { return pr.sum_abs(alpha + r * n + b, e - b); });
     const auto P = run.template reduce<double>([&](int64_t r, int64_t b, int64_t e) {
       const int64_t o = r * n + b;
-      return signed_t(grad + o, alpha + o, s(r) * L[r], rgf, offset(buf, b), e - b);
+      return pr.signed_t(grad + o, alpha + o, s(r) * L[r], rgf, offset(buf, b), e - b);
     });
     run.each([&](int64_t r, int64_t b, int64_t e) {
       const int64_t o = r * n + b;
-      signed_galpha(grad + o, alpha + o, offset(buf, b), s(r) * L[r], rgf, s(r) * P[r], galpha + o, e - b);
+      pr.signed_galpha(grad + o, alpha + o, offset(buf, b), s(r) * L[r], rgf, s(r) * P[r], galpha + o, e - b);
     });
     run.rows([&](int64_t r) { gbeta[r] = static_cast<T>(-ds(r) * L[r] * P[r]); });
     return;
   }
   const auto G = run.template reduce<double>(
-      [&](int64_t r, int64_t b, int64_t e) { return sum_exp(alpha + r * n + b, offset(buf, b), e - b); });
-  const auto TW = run.template reduce<Sum2>([&](int64_t r, int64_t b, int64_t e) {
-    return nonneg_tw(grad + r * n + b, alpha + r * n + b, offset(buf, b), s(r) * G[r], e - b);
+      [&](int64_t r, int64_t b, int64_t e) { return pr.sum_exp(alpha + r * n + b, offset(buf, b), e - b); });
+  const auto TW = run.template reduce<g::Sum2>([&](int64_t r, int64_t b, int64_t e) {
+    return pr.nonneg_tw(grad + r * n + b, alpha + r * n + b, offset(buf, b), s(r) * G[r], e - b);
   });
   auto Ts = [&](int64_t r) { return TW[r].t > 0 ? TW[r].t : 1.0; };
   const auto Q = run.template reduce<double>([&](int64_t r, int64_t b, int64_t e) {
     const int64_t o = r * n + b;
     const double ts = Ts(r);
-    return nonneg_q(grad + o, alpha + o, offset(buf, b), s(r) * G[r], TW[r].w / ts, 1.0 / ts, rgf, offset(qbuf, b),
+    return pr.nonneg_q(grad + o, alpha + o, offset(buf, b), s(r) * G[r], TW[r].w / ts, 1.0 / ts, rgf, offset(qbuf, b),
         e - b);
   });
   run.each([&](int64_t r, int64_t b, int64_t e) {
     const int64_t o = r * n + b;
     const double ts = Ts(r);
-    nonneg_galpha(grad + o, alpha + o, offset(buf, b), offset(qbuf, b), s(r) * G[r], TW[r].w / ts, 1.0 / ts, rgf,
+    pr.nonneg_galpha(grad + o, alpha + o, offset(buf, b), offset(qbuf, b), s(r) * G[r], TW[r].w / ts, 1.0 / ts, rgf,
         s(r) * Q[r], galpha + o, e - b);
   });
   run.rows([&](int64_t r) { gbeta[r] = static_cast<T>(-ds(r) * G[r] * Q[r]); });
@@ -587,18 +269,20 @@ at::Tensor sparse_gate_cpu(const at::Tensor& alpha_in, const at::Tensor& beta_in
   at::Tensor a = at::empty_like(alpha, at::MemoryFormat::Contiguous);
   const int64_t groups = alpha.size(0), n = alpha.size(1);
   if (alpha.numel() == 0) return a;
+  const g::GateKernels* k = g::gate_kernels();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, alpha.scalar_type(), "sparse_gate", [&] {
     const scalar_t* ap = alpha.const_data_ptr<scalar_t>();
     const scalar_t* bp = beta.const_data_ptr<scalar_t>();
     scalar_t* op = a.mutable_data_ptr<scalar_t>();
+    const Prims<scalar_t> pr(k);
     if (split_rows(groups, n)) {
-      gate_forward(Tiles{groups, n}, ap, bp, n, is_signed, op, nullptr);
+      gate_forward(Tiles{groups, n}, pr, ap, bp, n, is_signed, op, nullptr);
       return;
     }
     at::parallel_for(0, groups, row_grain(n), [&](int64_t b, int64_t e) {
       std::unique_ptr<double[]> buf;
       if (!is_signed) buf = scratch(n, 1);
-      for (int64_t r = b; r < e; ++r) gate_forward(WholeRow{r, n}, ap, bp, n, is_signed, op, buf.get());
+      for (int64_t r = b; r < e; ++r) gate_forward(WholeRow{r, n}, pr, ap, bp, n, is_signed, op, buf.get());
     });
   });
   return a;
@@ -618,14 +302,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_gate_backward_cpu(const at::Tensor& gr
     gbeta.zero_();
     return {galpha, gbeta};
   }
+  const g::GateKernels* k = g::gate_kernels();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, alpha.scalar_type(), "sparse_gate_backward", [&] {
     const scalar_t* ap = alpha.const_data_ptr<scalar_t>();
     const scalar_t* bp = beta.const_data_ptr<scalar_t>();
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     scalar_t* gap = galpha.mutable_data_ptr<scalar_t>();
     scalar_t* gbp = gbeta.mutable_data_ptr<scalar_t>();
+    const Prims<scalar_t> pr(k);
     if (split_rows(groups, n)) {
-      gate_backward(Tiles{groups, n}, gp, ap, bp, n, is_signed, rgf_alpha, gap, gbp, nullptr, nullptr);
+      gate_backward(Tiles{groups, n}, pr, gp, ap, bp, n, is_signed, rgf_alpha, gap, gbp, nullptr, nullptr);
       return;
     }
     at::parallel_for(0, groups, row_grain(n), [&](int64_t b, int64_t e) {
@@ -633,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_gate_backward_cpu(const at::Tensor& gr
       const auto buf = scratch(n, is_signed ? 1 : 2);
       double* qbuf = buf != nullptr && !is_signed ? buf.get() + n : nullptr;
       for (int64_t r = b; r < e; ++r) {
-        gate_backward(WholeRow{r, n}, gp, ap, bp, n, is_signed, rgf_alpha, gap, gbp, buf.get(), qbuf);
+        gate_backward(WholeRow{r, n}, pr, gp, ap, bp, n, is_signed, rgf_alpha, gap, gbp, buf.get(), qbuf);
       }
     });
   });

@@ -1,8 +1,10 @@
 """The vectorised CPU kernels of rgf_relu, two_temperature_sigmoid and sparse_gate
-(csrc/include/prunopt/sparsification_simd.h): vector tails, the vector exp over
-its whole range, special values, both sparse_gate layouts (many short groups in
-a scratch row, few long groups split over threads, rows longer than the scratch)
-and the scalar fallback (PRUNOPT_NO_SIMD=1) against the float64 reference."""
+(ATen's at::vec::Vectorized per CPU capability, csrc/cpu/gates_kernels.inc):
+vector tails, the vector exp over its whole range, special values, both
+sparse_gate layouts (many short groups in a scratch row, few long groups split
+over threads, rows longer than the scratch), the AVX2 and AVX-512 clones against
+each other, and the scalar fallback (PRUNOPT_NO_SIMD=1, ATEN_CPU_CAPABILITY=default)
+against the float64 reference."""
 import os
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from prunopt.reference import (
     two_temperature_sigmoid_backward_reference,
     two_temperature_sigmoid_reference,
 )
-from prunopt.testing import tolerance
+from prunopt.testing import avx512_cpu, simd_clones, tolerance
 
 pytestmark = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
 
@@ -261,9 +263,66 @@ print("ok")
 """
 
 
-def test_scalar_fallback_matches_reference():
-    # PRUNOPT_NO_SIMD=1: the path of CPUs without AVX2 (and of half/bfloat16)
-    env = dict(os.environ, PRUNOPT_NO_SIMD="1")
+@pytest.mark.parametrize("switch", [("PRUNOPT_NO_SIMD", "1"), ("ATEN_CPU_CAPABILITY", "default")])
+def test_scalar_fallback_matches_reference(switch):
+    # the path of CPUs without AVX2 (and of half/bfloat16): forced by our own
+    # switch, or by torch's capability override, which the kernels follow
+    env = dict(os.environ)
+    env.pop("PRUNOPT_NO_AVX512", None)
+    env[switch[0]] = switch[1]
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCALAR_PATH], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def _all_gate_outputs(dtype):
+    """Every gate op, forward and backward, on inputs with vector tails, chunk
+    boundaries and split sparse_gate rows (2 threads): (output, row length of its
+    sums, 0 for the elementwise ops)."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for n in (17, 4097, 70001):
+        x = (torch.randn(n, generator=gen, dtype=torch.float64) * 3).to(dtype)
+        g = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+        ops = torch.ops.prunopt
+        out += [(y, 0) for y in (ops.rgf_relu(x, 0.1), ops.rgf_relu_backward(g, x, 0.1),
+                                 ops.rgf_relu_backward(g, x, 0.0), ops.two_temperature_sigmoid(x * 0.01, 100.0, 2.0),
+                                 ops.two_temperature_sigmoid_backward(g, x, 2.0))]
+    for groups, k in ((37, 9), (3, 4097), (1, 40001)):
+        for signed in (True, False):
+            alpha, beta = _gate_inputs(groups, k, dtype, signed, seed=groups + k)
+            g = torch.randn(groups, k, generator=gen, dtype=torch.float64).to(dtype)
+            out.append((torch.ops.prunopt.sparse_gate(alpha, beta, signed, 0.1), k))
+            out += [(y, k) for y in torch.ops.prunopt.sparse_gate_backward(g, alpha, beta, signed, 0.1)]
+    return out
+
+
+@pytest.mark.skipif(not avx512_cpu(), reason="needs a CPU with AVX-512 (torch's AVX512 capability)")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx512_and_avx2_clones_agree(dtype, monkeypatch):
+    # Both clones run the same vector operations on every element but a range's
+    # last < one vector (8 / 16 float lanes, 4 / 8 double lanes), which takes the
+    # scalar math (libm exp): elementwise results agree to a few ulp there and bit
+    # for bit elsewhere. sparse_gate adds its row sums (in double) in lane order,
+    # 4 or 8 partial sums: its outputs differ by the rounding of a sum of k terms
+    # (k eps relative to the largest output, the sums being O(1) here).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = {isa: _all_gate_outputs(dtype) for isa in simd_clones(monkeypatch)}
+    finally:
+        torch.set_num_threads(threads)
+    eps = torch.finfo(dtype).eps
+    for (a, k), (b, _) in zip(got["avx512"], got["avx2"]):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape
+        scale = 1 + (a.abs().max().item() if a.numel() else 0)
+        if k == 0:
+            torch.testing.assert_close(a, b, atol=4 * eps * scale, rtol=4 * eps)
+        else:
+            torch.testing.assert_close(a, b, atol=(4 * eps + k * torch.finfo(torch.float64).eps) * scale, rtol=0)
+    # rgf_relu's forward is the same max on both: identical bits
+    assert torch.equal(got["avx512"][0][0], got["avx2"][0][0])
+    # elementwise outputs off the tails are identical: at 70001 elements over two
+    # threads only the last < 16 elements of each thread's range can differ
+    for (a, k), (b, _) in zip(got["avx512"][10:15], got["avx2"][10:15]):
+        assert (a != b).sum().item() <= 2 * 15, (a != b).sum().item()

@@ -41,7 +41,7 @@ PRUNOPT_HD T relu(T x) {
 // Derivative of the thresholding relu as used in the backward pass: 1 for
 // x > 0, rgf_alpha * exp(x) otherwise (elu's derivative; eq. 15). exp is taken
 // of min(x, 0) so the unused branch never overflows; a NaN x gives NaN, as in
-// the reference (the CPU AVX2 path in sparsification_simd.h does the same).
+// the reference (the vector CPU kernels in gates_kernels.inc do the same).
 template <typename T>
 PRUNOPT_HD T rgf_slope(T x, T rgf_alpha) {
   const T neg = x > T(0) ? T(0) : x;
