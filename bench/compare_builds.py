@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -111,17 +110,6 @@ def _parse_contender(spec: str):
     return label, os.path.abspath(path), extra
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("contenders", nargs="*", help="LABEL=PATH[:VAR=VALUE,...]; the first is the baseline")
@@ -137,6 +125,13 @@ def main() -> None:
     ops, dtypes = args.ops.split(","), args.dtypes.split(",")
     if args.worker:
         return worker(args.worker, ops, dtypes, args.threads, args.min_time, args.only)
+    from prunopt.bench.common import cpu_model  # (the parent only: a worker loads nothing but its build)
+
+    if args.out:  # checked before any timing: its folder is made, a folder as the file is refused
+        if os.path.isdir(args.out):
+            raise SystemExit(f"--out {args.out!r} is a directory: give the markdown file's path")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
     if len(args.contenders) < 2:
         raise SystemExit("give at least two contenders (the first is the baseline)")
     contenders = [_parse_contender(c) for c in args.contenders]
@@ -166,7 +161,7 @@ def main() -> None:
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     desc = "; ".join(f"{lb} = {path}" + (f" with {extra}" if extra else "") for lb, path, extra in contenders)
     header = (f"date={datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
-              f"cpu={_cpu_model()}, logical_cpus={os.cpu_count()}, threads={args.threads}, rounds={args.rounds}, "
+              f"cpu={cpu_model()}, logical_cpus={os.cpu_count()}, threads={args.threads}, rounds={args.rounds}, "
               f"min_time={args.min_time}s per case and worker, load average at the end (1, 5, 15 min): {load}\n\n"
               f"Contenders: {desc}. Figures: the smallest of the rounds' medians (torch.utils.benchmark blocked "
               f"autorange), raw ops (torch.ops.prunopt.*), CPU.\n")
