@@ -33,23 +33,35 @@
 namespace prunopt {
 namespace {
 
-void collect_written(const c10::IValue& v, std::vector<at::Tensor>& out);
+// A tensor the call writes: the schema argument it came from and its place in
+// that argument's list (-1 for a single Tensor).
+struct WrittenArg {
+  size_t arg;
+  int64_t index;
+  at::Tensor tensor;
+};
 
-// Written tensors of the call on the stack, with the names of their arguments.
-std::vector<std::pair<std::string, at::Tensor>> written_arguments(const c10::OperatorHandle& op,
-    const torch::jit::Stack* stack) {
+// Every tensor the call on the stack writes (the schema's `Tensor(a!)`,
+// `Tensor(a!)[]`, `Tensor(a!)?` arguments); None writes nothing.
+std::vector<WrittenArg> written_arguments(const c10::OperatorHandle& op, const torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t n = args.size();
-  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::vector<WrittenArg> out;
   for (size_t i = 0; i < n; ++i) {
     const auto* alias = args[i].alias_info();
     if (alias == nullptr || !alias->isWrite()) continue;
     const c10::IValue& v = (*stack)[stack->size() - n + i];
-    std::vector<at::Tensor> ts;
-    collect_written(v, ts);
-    const bool list = !v.isTensor();
-    for (size_t j = 0; j < ts.size(); ++j) {
-      out.emplace_back(list ? args[i].name() + "[" + std::to_string(j) + "]" : args[i].name(), ts[j]);
+    if (v.isTensor()) {
+      out.push_back({i, -1, v.toTensor()});
+    } else if (v.isTensorList()) {
+      int64_t j = 0;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back({i, j++, t});
+    } else if (v.isList()) {  // Tensor?[]
+      int64_t j = 0;
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) out.push_back({i, j, e.toTensor()});
+        ++j;
+      }
     }
   }
   return out;
@@ -57,8 +69,11 @@ std::vector<std::pair<std::string, at::Tensor>> written_arguments(const c10::Ope
 
 void refuse_grad_writes(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (at::GradMode::is_enabled()) {
-    for (const auto& [name, t] : written_arguments(op, stack)) {
+    for (const auto& w : written_arguments(op, stack)) {
+      const at::Tensor& t = w.tensor;
       if (!t.defined() || !t.requires_grad()) continue;
+      const std::string& arg = op.schema().arguments()[w.arg].name();
+      const std::string name = w.index < 0 ? arg : arg + "[" + std::to_string(w.index) + "]";
       TORCH_CHECK(!t.is_leaf(), op.schema().name(), ": ", name,
           ": a leaf Variable that requires grad is being used in an in-place operation.");
       TORCH_CHECK(!(t.is_view() && t._base().is_leaf()), op.schema().name(), ": ", name,
@@ -72,35 +87,15 @@ void refuse_grad_writes(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
   op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
 }
 
-void collect_written(const c10::IValue& v, std::vector<at::Tensor>& out) {
-  if (v.isTensor()) {
-    out.push_back(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(t);
-  } else if (v.isList()) {  // Tensor?[]
-    for (const c10::IValue& e : v.toListRef()) {
-      if (e.isTensor()) out.push_back(e.toTensor());
-    }
-  }  // None (an absent optional): nothing written
-}
-
 void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t n = args.size();
-  std::vector<at::Tensor> written;
-  for (size_t i = 0; i < n; ++i) {
-    const auto* alias = args[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) {
-      collect_written((*stack)[stack->size() - n + i], written);
-    }
-  }
+  const std::vector<WrittenArg> written = written_arguments(op, stack);
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (const at::Tensor& t : written) {
-    if (t.defined() && !t.is_inference()) {
-      t.unsafeGetTensorImpl()->bump_version();
+  for (const auto& w : written) {
+    if (w.tensor.defined() && !w.tensor.is_inference()) {
+      w.tensor.unsafeGetTensorImpl()->bump_version();
     }
   }
 }

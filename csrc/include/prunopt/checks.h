@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -88,41 +89,58 @@ inline bool has_internal_overlap_exact(const at::Tensor& t) {
   return (sorted.slice(0, 1) == sorted.slice(0, 0, -1)).any().item<bool>();
 }
 
-// Tensors that an op writes in place, each with the name of its argument
-// ("theta[2]", "opt_sums[0]"): none may overlap itself (an expand()-ed
-// tensor: its elements would be written several times, and copying a result
-// back into it fails after the others were written) or another (the same
-// tensor twice, overlapping views: in the projection every element counted
-// twice against the budget; the same tensor twice gave all zeros).
-// ValueError before anything is written. Only tensors of one storage are
-// compared (grouped by storage: no quadratic cost for long lists).
-inline void check_disjoint_writes(const std::vector<std::pair<std::string, at::Tensor>>& ts, const char* op) {
-  std::vector<std::pair<const void*, size_t>> by_storage;
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const at::Tensor& t = ts[i].second;
-    if (!t.defined() || t.numel() == 0 || t.is_meta() || !t.has_storage()) continue;
-    TORCH_CHECK_VALUE(!has_internal_overlap_exact(t), op, ": ", ts[i].first,
-        " has elements sharing one memory location (e.g. an expand()-ed tensor); clone() it before writing it in "
-        "place");
-    by_storage.emplace_back(t.storage().unsafeGetStorageImpl(), i);
-  }
-  std::sort(by_storage.begin(), by_storage.end());
+// A tensor an op writes in place, with the argument it came from: `list[index]`
+// ("theta[2]", "opt_sums[0]") or `list` alone when index < 0. The name is
+// formatted only for an error message (these checks run on every step).
+struct Written {
+  const char* list;
+  int64_t index;
+  at::Tensor tensor;
+  std::string name() const { return index < 0 ? std::string(list) : std::string(list) + "[" + std::to_string(index) + "]"; }
+};
+
+// None of the written tensors may overlap itself (an expand()-ed tensor: its
+// elements would be written several times, and copying a result back into it
+// fails after the others were written) or another (the same tensor twice,
+// overlapping views: in the projection every element counted twice against the
+// budget; the same tensor twice gave all zeros). ValueError before anything is
+// written. The tensors are sorted by storage and first offset, and each is
+// compared only with those of its storage that start within its extent: views
+// of one flat buffer cost a sort, not a comparison of every pair.
+inline void check_disjoint_writes(const std::vector<Written>& ts, const char* op) {
   auto last_offset = [](const at::Tensor& t) {
     int64_t hi = t.storage_offset();
     for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d);
     return hi;
   };
-  for (size_t u = 0; u < by_storage.size(); ++u) {
-    for (size_t v = u + 1; v < by_storage.size() && by_storage[v].first == by_storage[u].first; ++v) {
-      const size_t i = std::min(by_storage[u].second, by_storage[v].second);
-      const size_t j = std::max(by_storage[u].second, by_storage[v].second);
-      const at::Tensor& a = ts[i].second;
-      const at::Tensor& b = ts[j].second;
+  struct Extent {
+    const void* storage;
+    int64_t first, last;
+    size_t i;
+    bool operator<(const Extent& o) const { return std::tie(storage, first, i) < std::tie(o.storage, o.first, o.i); }
+  };
+  std::vector<Extent> extents;
+  extents.reserve(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i].tensor;
+    if (!t.defined() || t.numel() == 0 || t.is_meta() || !t.has_storage()) continue;
+    TORCH_CHECK_VALUE(!has_internal_overlap_exact(t), op, ": ", ts[i].name(),
+        " has elements sharing one memory location (e.g. an expand()-ed tensor); clone() it before writing it in "
+        "place");
+    extents.push_back({t.storage().unsafeGetStorageImpl(), t.storage_offset(), last_offset(t), i});
+  }
+  std::sort(extents.begin(), extents.end());
+  for (size_t u = 0; u < extents.size(); ++u) {
+    for (size_t v = u + 1; v < extents.size() && extents[v].storage == extents[u].storage &&
+         extents[v].first <= extents[u].last; ++v) {
+      const size_t i = std::min(extents[u].i, extents[v].i);
+      const size_t j = std::max(extents[u].i, extents[v].i);
+      const at::Tensor& a = ts[i].tensor;
+      const at::Tensor& b = ts[j].tensor;
       if (a.element_size() != b.element_size()) continue;  // (views of one storage as different dtypes: not ours)
-      if (last_offset(a) < b.storage_offset() || last_offset(b) < a.storage_offset()) continue;
       const bool shared =
           a.is_same(b) || at::isin(element_offsets(a), element_offsets(b)).any().item<bool>();
-      TORCH_CHECK_VALUE(!shared, op, ": ", ts[i].first, " and ", ts[j].first,
+      TORCH_CHECK_VALUE(!shared, op, ": ", ts[i].name(), " and ", ts[j].name(),
           " share memory (the same tensor twice or overlapping views): each element must be written once; pass "
           "each tensor once (or clone() one)");
     }
@@ -132,8 +150,9 @@ inline void check_disjoint_writes(const std::vector<std::pair<std::string, at::T
 // The in-place projection treats every element as a separate score (see
 // check_disjoint_writes).
 inline void check_no_overlap(at::TensorList theta, const char* op) {
-  std::vector<std::pair<std::string, at::Tensor>> ts;
-  for (size_t i = 0; i < theta.size(); ++i) ts.emplace_back("theta[" + std::to_string(i) + "]", theta[i]);
+  std::vector<Written> ts;
+  ts.reserve(theta.size());
+  for (size_t i = 0; i < theta.size(); ++i) ts.push_back({"theta", static_cast<int64_t>(i), theta[i]});
   check_disjoint_writes(ts, op);
 }
 
@@ -141,12 +160,13 @@ inline void check_no_overlap(at::TensorList theta, const char* op) {
 // each element once (see check_disjoint_writes).
 inline void check_prunadag_writes(at::TensorList params, at::TensorList opt_sums, at::TensorList dec_sums,
     const c10::optional<at::Tensor>& found_nonfinite, const char* op) {
-  std::vector<std::pair<std::string, at::Tensor>> ts;
+  std::vector<Written> ts;
+  ts.reserve(params.size() + opt_sums.size() + dec_sums.size() + 1);
   for (const auto& [name, list] : {std::make_pair("params", params), std::make_pair("opt_sums", opt_sums),
            std::make_pair("dec_sums", dec_sums)}) {
-    for (size_t i = 0; i < list.size(); ++i) ts.emplace_back(std::string(name) + "[" + std::to_string(i) + "]", list[i]);
+    for (size_t i = 0; i < list.size(); ++i) ts.push_back({name, static_cast<int64_t>(i), list[i]});
   }
-  if (found_nonfinite.has_value() && found_nonfinite->defined()) ts.emplace_back("found_nonfinite", *found_nonfinite);
+  if (found_nonfinite.has_value() && found_nonfinite->defined()) ts.push_back({"found_nonfinite", -1, *found_nonfinite});
   check_disjoint_writes(ts, op);
 }
 
