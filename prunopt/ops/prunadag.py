@@ -148,10 +148,11 @@ def prunadag_norms(params: List[Tensor], grads: List[Tensor], hyper: Tensor, tau
             raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
     if not isinstance(hyper, Tensor):
         raise TypeError(f"hyper must be a float64 tensor, got {type(hyper).__name__}")
-    # (every other check is the op's, on every device: _fake_checks.check_prunadag_norms)
-    _fc.check_prunadag_norms(list(params), list(grads), hyper, tau)
-    if params and params[0].device.type in _NORMS_DEVICES:
+    # (every other check is the op's: the compiled kernel makes it, and the
+    # reference path the same checks in Python, _fake_checks.check_prunadag_norms)
+    if params and isinstance(params[0], Tensor) and params[0].device.type in _NORMS_DEVICES:
         return torch.ops.prunopt.prunadag_norms(params, grads, hyper, tau)
+    _fc.check_prunadag_norms(list(params), list(grads), hyper, tau)
     rows = hyper.detach().cpu().tolist()
     hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5])) for r in rows]
     out = prunadag_norms_reference(params, grads, hypers, tau)
