@@ -133,6 +133,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
 
         contenders = {
             ("threshold", "sharded"): lambda: D.topk_threshold(grad, k),
+            ("threshold", "sharded, blocking waits"): _blocking(lambda: D.topk_threshold(grad, k)),
             ("threshold", "all_gather + kthvalue"):
                 lambda: torch.kthvalue(gathered(grad).abs_(), m * world - k + 1).values,
             ("threshold", "dense all_reduce + topk_threshold"): lambda: D._topk_threshold_one(dense(grad), k),
@@ -150,7 +151,8 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
                 outs[key] = fn()
             results[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
         thr = outs[("threshold", "sharded")]
-        for key in (("threshold", "all_gather + kthvalue"), ("threshold", "dense all_reduce + topk_threshold")):
+        for key in (("threshold", "sharded, blocking waits"), ("threshold", "all_gather + kthvalue"),
+                    ("threshold", "dense all_reduce + topk_threshold")):
             if not torch.equal(thr.view(torch.int32), outs[key].view(torch.int32)):
                 raise AssertionError(f"sharded threshold {thr} differs from {key[1]} {outs[key]}")
         proj = outs[("projection", "sharded")]
@@ -168,6 +170,22 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
     finally:
         torch.save(results if "results" in locals() else {}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+def _blocking(fn):
+    """``fn`` run with prunopt.distributed's completion polling off (every
+    collective blocks in ``Work.wait()`` at once): the polling's effect,
+    measured side by side."""
+    import prunopt.distributed as D
+
+    def call():
+        previous = D.set_poll_time(0.0)
+        try:
+            return fn()
+        finally:
+            D.set_poll_time(previous)
+
+    return call
 
 
 def _fsdp_model(n: int) -> torch.nn.Module:
@@ -220,9 +238,10 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
         raise AssertionError(f"the sharded PrunAdag step differs from the one-process step by {err}")
     del full_p, full_g, ref
     out = {"fsdp_verified_max_error": err}
+    prunadag = lambda m: PrunAdag(m.parameters(), lr=0.01, relevant=0.1, fused=True)  # noqa: E731
     contenders = {
-        ("fsdp2 step", "PrunAdag (fused, V3, 10 %)"):
-            lambda m: PrunAdag(m.parameters(), lr=0.01, relevant=0.1, fused=True),
+        ("fsdp2 step", "PrunAdag (fused, V3, 10 %)"): prunadag,
+        ("fsdp2 step", "PrunAdag (fused, V3, 10 %), blocking waits"): prunadag,
         # torch's fused Adagrad has no DTensor sharding rule: foreach and the for-loop are what runs under FSDP2
         ("fsdp2 step", "torch Adagrad (foreach)"): lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01, foreach=True),
         ("fsdp2 step", "torch Adagrad (for-loop)"):
@@ -234,7 +253,8 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
         opt.step()  # state created, kernels warm
         with _Counter() as cnt:
             opt.step()
-        out[key] = {"calls": cnt.calls, "bytes": cnt.bytes, "seconds": _lockstep_median(opt.step, reps)}
+        step = _blocking(opt.step) if key[1].endswith("blocking waits") else opt.step
+        out[key] = {"calls": cnt.calls, "bytes": cnt.bytes, "seconds": _lockstep_median(step, reps)}
         del model, opt
     return out
 
@@ -337,9 +357,11 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             # the baselines move all N values (the gathered tensor, the dense scores) whatever the ranks
             payload = r0["bytes"] * WORLD if kind == "all_gather" else r0["bytes"]
             for w in MODEL_RANKS:
+                # the sharded threshold's first call carries two 8-byte slots per rank
+                grown = payload + (16 * (w - WORLD) if (op, name) == ("threshold", "sharded") else 0)
                 rows.append({"n": n, "op": op, "contender": f"model: {name}", "ranks": w, "time_ms": "",
                              "vs_one_process": "", "collectives_per_call": r0["calls"],
-                             "payload_bytes_per_rank": _ring_bytes(kind, payload, w)})
+                             "payload_bytes_per_rank": _ring_bytes(kind, grown, w)})
     notes = (f"float32; N elements in all, 2 gloo ranks spawned on this machine (127.0.0.1), {per_rank} thread(s) "
              f"each; one-process contenders with {threads} threads after the ranks exit. threshold: k = N/10 of "
              "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's median of "
@@ -347,15 +369,18 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
-             "payload does not depend on N or W. Targets: sharded bytes per rank per call independent of N "
-             "(<= 1 MB); the 2-rank sharded threshold <= 1.5x the one-process time on the same N. "
+             "payload does not depend on N (the threshold's first call carries 16 bytes per rank: 2 slots). "
+             "Targets: sharded bytes per rank per call independent of N (<= 1 MB); the 2-rank sharded threshold "
+             "<= 1.5x the one-process time on the same N. "
              "vs_one_process_1_thread: against the one-process op on one thread (a loaded host inflates the "
              "multi-threaded figure). fsdp2 step: one optimizer step on a model of N weights (10 linear layers) "
              "sharded by fully_shard over the 2 ranks, fixed gradients; PrunAdag (fused, version 3, relevant "
              "0.1, global scope: the exact sharded threshold and the norms summed over the ranks) against the faster "
              "of torch's Adagrad foreach and for-loop steps on the same sharded model (torch's fused Adagrad has no "
              "DTensor support) (vs_adagrad; target <= 1.3), verified first against the "
-             "one-process PrunAdag step on the gathered parameters. "
+             "one-process PrunAdag step on the gathered parameters. 'blocking waits': the same calls with "
+             "prunopt.distributed.set_poll_time(0) (each collective blocks at once instead of polling for "
+             "completion first). "
              "Rerun: `python -m prunopt.bench.run --only distributed [--quick]`.")
     columns = ["n", "op", "contender", "ranks", "time_ms", "vs_one_process", "vs_one_process_1_thread", "vs_adagrad",
                "collectives_per_call", "payload_bytes_per_rank"]

@@ -73,6 +73,35 @@ def test_sum_over_shards_of_a_plain_tensor_is_the_local_sum():
         D.sum_over_shards(s, [w])
 
 
+def test_set_poll_time():
+    previous = D.set_poll_time(0.25)
+    try:
+        assert D.set_poll_time(0) == 0.25
+        for bad, kind in ((-1e-6, ValueError), (math.inf, ValueError), (math.nan, ValueError), ("1", TypeError),
+                          (True, TypeError), (None, TypeError)):
+            with pytest.raises(kind, match="seconds"):
+                D.set_poll_time(bad)
+        assert D.set_poll_time(previous) == 0  # unchanged by the refused values
+    finally:
+        D.set_poll_time(previous)
+
+
+@pytest.mark.parametrize("raw,want", [(None, 0.005), ("0", 0.0), ("250", 250e-6)])
+def test_poll_time_from_the_environment(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("PRUNOPT_DIST_POLL_US", raising=False)
+    else:
+        monkeypatch.setenv("PRUNOPT_DIST_POLL_US", raw)
+    assert D._poll_time_from_env() == pytest.approx(want)
+
+
+@pytest.mark.parametrize("raw", ["-1", "abc", "inf", "nan", ""])
+def test_poll_time_from_the_environment_refused(monkeypatch, raw):
+    monkeypatch.setenv("PRUNOPT_DIST_POLL_US", raw)
+    with pytest.raises(ValueError, match="PRUNOPT_DIST_POLL_US"):
+        D._poll_time_from_env()
+
+
 def test_argument_errors():
     x = torch.randn(10)
     with pytest.raises(TypeError, match="k must be an int"):

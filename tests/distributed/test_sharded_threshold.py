@@ -323,7 +323,31 @@ def sc_skewed(rank, world):
     return _cases([full], [(3000,)], rank, [1, 7, 2999, 3000, 3001, 4000, 7999, 8000])
 
 
-SCENARIOS = [sc_skewed, sc_random, sc_ties, sc_uneven_and_empty, sc_all_equal, sc_dtypes, sc_dtensor, sc_fsdp2, sc_mesh_2d,
+def sc_poll_times(rank, world):
+    """The same results whether a rank blocks at once (0), polls past a
+    collective's end (1 s) or gives up polling before a late peer arrives
+    (rank 1 enters each selection 30 ms late, rank 0 polls 1 ms and blocks)."""
+    import time
+
+    import prunopt.distributed as D
+
+    g = torch.Generator().manual_seed(12)
+    full = torch.randn(3001, generator=g)
+    out = []
+    for poll, late in ((0.0, 0.0), (1.0, 0.0), (1e-3, 0.03)):
+        previous = D.set_poll_time(poll)
+        try:
+            for k in (1, 1500, 3001):
+                if rank == 1 and late:
+                    time.sleep(late)
+                out += _cases([full], [(1200,)], rank, [k], modes=("bracket",))
+        finally:
+            assert D.set_poll_time(previous) == poll
+    return out
+
+
+SCENARIOS = [sc_poll_times, sc_skewed, sc_random, sc_ties, sc_uneven_and_empty, sc_all_equal, sc_dtypes, sc_dtensor,
+             sc_fsdp2, sc_mesh_2d,
              sc_collectives, sc_err_nonfinite, sc_err_inf, sc_err_k_too_large, sc_err_k_zero, sc_err_k_differs,
              sc_err_dtype_differs, sc_err_k_type, sc_after_errors, sc_helpers, sc_make_group, sc_helper_errors]
 
@@ -342,8 +366,8 @@ def _assert_bit_identical(per_rank):
             assert got.view(i).item() == want.detach().view(i).item(), (rank, mode, k, got.item(), want.item())
 
 
-@pytest.mark.parametrize("name", ["sc_skewed", "sc_random", "sc_ties", "sc_uneven_and_empty", "sc_all_equal", "sc_dtypes",
-                                  "sc_dtensor", "sc_fsdp2", "sc_mesh_2d"])
+@pytest.mark.parametrize("name", ["sc_poll_times", "sc_skewed", "sc_random", "sc_ties", "sc_uneven_and_empty",
+                                  "sc_all_equal", "sc_dtypes", "sc_dtensor", "sc_fsdp2", "sc_mesh_2d"])
 def test_bit_identical_to_one_process(results, name):
     _assert_bit_identical(ok(results[name]))
 
@@ -360,13 +384,14 @@ def test_fixed_number_of_small_collectives(results):
             if dtype == "torch.bfloat16":  # the radix passes alone
                 assert len(calls) == 2, (dtype, n, calls)
             else:
-                # float32/float64 on the CPU: n, then the bracket, then 1 to 3 (float32) or
-                # 6 (float64) radix passes over the offsets inside the bracket (the first
+                # float32/float64 on the CPU: n, the agreement and every rank's bracket
+                # ends (two slots per rank) in one call, then 1 to 3 (float32) or 6
+                # (float64) radix passes over the offsets inside the bracket (the first
                 # also sums the counts above it): a bound that does not depend on n
-                assert calls[:2] == [2057 * 8, 2 * 8], (dtype, n, calls)
-                assert 1 <= len(calls) - 2 <= {"torch.float32": 3, "torch.float64": 6}[dtype], (dtype, n, calls)
-                assert calls[2] == 2051 * 8 and all(c <= 2048 * 8 for c in calls[3:]), (dtype, n, calls)
-            assert max(calls) <= 2058 * 8, calls  # one 2048-bucket histogram + 10 integers at most
+                assert calls[0] == (2057 + 2 * 2) * 8, (dtype, n, calls)
+                assert 1 <= len(calls) - 1 <= {"torch.float32": 3, "torch.float64": 6}[dtype], (dtype, n, calls)
+                assert calls[1] == 2051 * 8 and all(c <= 2048 * 8 for c in calls[2:]), (dtype, n, calls)
+            assert max(calls) <= (2057 + 2 * 2) * 8, calls  # one 2048-bucket histogram + 9 integers + 2 per rank
 
 
 @pytest.mark.parametrize("name,kind,text", [
