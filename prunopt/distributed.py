@@ -247,7 +247,7 @@ def _plan(tensors: List[Tensor], group, name: str) -> _Plan:
 def _poll_time_from_env() -> float:
     raw = os.environ.get("PRUNOPT_DIST_POLL_US")
     if raw is None:
-        return 0.005
+        return 0.0
     try:
         us = float(raw)
     except ValueError:
@@ -263,20 +263,24 @@ _POLL_S = _poll_time_from_env()
 def set_poll_time(seconds: float) -> float:
     """Sets how long a rank *polls* each of this module's collectives on CPU
     tensors (gloo) for completion before it blocks in ``Work.wait()``, and
-    returns the previous value. Default 5 ms, or ``PRUNOPT_DIST_POLL_US``
-    (microseconds) from the environment; ``0`` always blocks at once.
+    returns the previous value. Default ``0`` (block at once, as
+    :mod:`torch.distributed` does), or ``PRUNOPT_DIST_POLL_US``
+    (microseconds) from the environment.
 
-    Why: the collectives here carry a few KB of histograms and sums, so their
-    time is latency, and a blocked waiter's latency includes its wake-up: on a
-    virtual machine an idle vCPU is descheduled, and waking it costs
+    The collectives here carry a few KB of histograms and sums, so their time
+    is latency, and a blocked waiter's latency includes its wake-up: on a
+    virtual machine an idle vCPU is descheduled, and waking it can cost
     milliseconds. Polling keeps the waiting core busy for at most this long per
     call (yielding it to any runnable thread), after which the call blocks as
-    usual (a late rank costs nothing more than the poll). On a 2-vCPU VM with
-    2 gloo ranks of one thread the sharded threshold of 10M float32 values
-    took 6.1 ms polling and 7.1 ms blocking, an FSDP2 PrunAdag step on a 10M
-    model 30.9 ms and 38.0 ms (``prunopt bench --only distributed``).
-    CUDA tensors (NCCL) are never polled: their collectives are asynchronous
-    on a stream already.
+    usual. Whether that pays depends on the host and on the work between the
+    collectives: on a 2-vCPU VM with 2 gloo ranks of one thread, a 5 ms poll
+    made the sharded threshold of 10M float32 values faster (7.9 and 11.0 ms
+    against 11.7 and 20.3 ms blocking) but that of 1M slower (15.4 and 27.9 ms
+    against 7.7 and 18.8 ms), where both ranks reach each collective almost
+    together and their polling competes with gloo's own threads for the two
+    cores. Measure before setting it (``prunopt bench --only distributed``
+    times both). CUDA tensors (NCCL) are never polled: their collectives are
+    asynchronous on a stream already.
 
     Args:
         seconds: the poll time per collective, finite and ``>= 0``.

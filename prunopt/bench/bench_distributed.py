@@ -16,15 +16,18 @@ float32, ``N`` elements in all, split evenly over 2 gloo ranks spawned here
   tensor and all_reduces it (global scores kept dense on every rank, as in
   RigL-style code), then the one-process op;
 * ``one-process``: ``prunopt.ops.topk_threshold`` / ``project_budget`` on
-  all ``N`` elements in this process with ``threads`` threads, after the
-  ranks have exited.
+  all ``N`` elements in this process with ``threads`` threads and with 1,
+  after the ranks have exited.
 
 Every contender is verified before it is timed (the sharded threshold
 bit-identical to ``torch.kthvalue`` on the gathered values, the sharded
-projection within 1e-5 of the one-process projection). The ranks time each
-collective contender in lockstep (one warm-up call, then the median of ``reps``
-calls, each timed alone; the slower rank's figure is reported, the
-collectives keep the ranks in step). Bytes are counted by
+projection within 1e-5 of the one-process projection). The ranks time the
+contenders in lockstep and in turn (one warm-up round, then 3 rounds in
+which every contender makes a burst of ``reps / 3`` consecutive calls, each
+timed alone; a contender's figure is the median of its ``reps`` calls on the
+slower rank),
+so that the host's drift falls on all contenders alike; the FSDP2 steps
+likewise, among themselves. Bytes are counted by
 wrapping ``torch.distributed.all_reduce`` and ``all_gather_single``: the
 payload one rank hands to the collectives per call. The model rows give the
 bytes one rank sends per call with ``W`` ranks on a ring (all_reduce
@@ -90,20 +93,29 @@ class _Counter:
             setattr(dist, name, orig)
 
 
-def _lockstep_median(fn, reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``fn``, each timed alone. Every rank
-    makes the same number of calls (the collectives inside keep them in
-    lockstep; an adaptive count such as ``blocked_autorange`` could differ
-    between ranks and hang), and the median, as for the one-process
-    contenders, keeps a rare slow wake-up of the loopback transport out of
-    the figure."""
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def _lockstep_medians(fns: Dict[tuple, object], reps: int, rounds: int = 3) -> Dict[tuple, float]:
+    """Median seconds of ``reps`` calls of each contender, made in ``rounds``
+    rounds that take the contenders in turn (each round a burst of
+    ``reps / rounds`` consecutive calls of each contender, in one order on
+    every rank), so that the host's drift over the seconds of a run falls on
+    all contenders alike instead of on their ratios, while most calls still
+    find the memory their previous call freed (a burst's first call can pay
+    for fresh pages after another contender's large allocations: the median
+    leaves it out). Every rank makes the same calls (the collectives inside
+    keep them in lockstep; an adaptive count such as ``blocked_autorange``
+    could differ between ranks and hang)."""
+    per: Dict[tuple, List[float]] = {key: [] for key in fns}
+    rounds = max(1, min(rounds, reps))
+    for fn in fns.values():  # warm-up
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for r in range(rounds):
+        count = reps // rounds + (1 if r < reps % rounds else 0)
+        for key, fn in fns.items():
+            for _ in range(count):
+                t0 = time.perf_counter()
+                fn()
+                per[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(ts) for key, ts in per.items()}
 
 
 def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, out_dir: str) -> None:
@@ -133,7 +145,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
 
         contenders = {
             ("threshold", "sharded"): lambda: D.topk_threshold(grad, k),
-            ("threshold", "sharded, blocking waits"): _blocking(lambda: D.topk_threshold(grad, k)),
+            ("threshold", "sharded, polled waits"): _polled(lambda: D.topk_threshold(grad, k)),
             ("threshold", "all_gather + kthvalue"):
                 lambda: torch.kthvalue(gathered(grad).abs_(), m * world - k + 1).values,
             ("threshold", "dense all_reduce + topk_threshold"): lambda: D._topk_threshold_one(dense(grad), k),
@@ -151,7 +163,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
                 outs[key] = fn()
             results[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
         thr = outs[("threshold", "sharded")]
-        for key in (("threshold", "sharded, blocking waits"), ("threshold", "all_gather + kthvalue"),
+        for key in (("threshold", "sharded, polled waits"), ("threshold", "all_gather + kthvalue"),
                     ("threshold", "dense all_reduce + topk_threshold")):
             if not torch.equal(thr.view(torch.int32), outs[key].view(torch.int32)):
                 raise AssertionError(f"sharded threshold {thr} differs from {key[1]} {outs[key]}")
@@ -163,23 +175,24 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
         results["threshold_value"] = thr.item()
         results["projection_sum"] = float(proj.double().sum())
         del outs, proj
-        for key, fn in contenders.items():
-            results[key]["seconds"] = _lockstep_median(fn, reps)
-        del grad, score
+        times = _lockstep_medians(contenders, reps)
+        for key, secs in times.items():
+            results[key]["seconds"] = secs
+        del grad, score, contenders
         results.update(_fsdp_steps(rank, world, n, threads, reps))
     finally:
         torch.save(results if "results" in locals() else {}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
 
 
-def _blocking(fn):
-    """``fn`` run with prunopt.distributed's completion polling off (every
-    collective blocks in ``Work.wait()`` at once): the polling's effect,
-    measured side by side."""
+def _polled(fn, seconds: float = 0.005):
+    """``fn`` run with prunopt.distributed's completion polling on (each
+    collective polled for up to ``seconds`` before it blocks; the default
+    blocks at once): the polling's effect, measured side by side."""
     import prunopt.distributed as D
 
     def call():
-        previous = D.set_poll_time(0.0)
+        previous = D.set_poll_time(seconds)
         try:
             return fn()
         finally:
@@ -241,21 +254,23 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
     prunadag = lambda m: PrunAdag(m.parameters(), lr=0.01, relevant=0.1, fused=True)  # noqa: E731
     contenders = {
         ("fsdp2 step", "PrunAdag (fused, V3, 10 %)"): prunadag,
-        ("fsdp2 step", "PrunAdag (fused, V3, 10 %), blocking waits"): prunadag,
+        ("fsdp2 step", "PrunAdag (fused, V3, 10 %), polled waits"): prunadag,
         # torch's fused Adagrad has no DTensor sharding rule: foreach and the for-loop are what runs under FSDP2
         ("fsdp2 step", "torch Adagrad (foreach)"): lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01, foreach=True),
         ("fsdp2 step", "torch Adagrad (for-loop)"):
             lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01, foreach=False),
     }
-    for key, make in contenders.items():
+    steps = {}
+    for key, make in contenders.items():  # every model and optimizer first, then the steps in turn
         model = sharded()
         opt = make(model)
         opt.step()  # state created, kernels warm
         with _Counter() as cnt:
             opt.step()
-        step = _blocking(opt.step) if key[1].endswith("blocking waits") else opt.step
-        out[key] = {"calls": cnt.calls, "bytes": cnt.bytes, "seconds": _lockstep_median(step, reps)}
-        del model, opt
+        steps[key] = _polled(opt.step) if key[1].endswith("polled waits") else opt.step
+        out[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
+    for key, secs in _lockstep_medians(steps, reps).items():
+        out[key]["seconds"] = secs
     return out
 
 
@@ -324,24 +339,26 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             raise AssertionError("the one-process projection differs from the sharded one")
         min_t = 0.3 if quick else 1.0
         fns = {"threshold": lambda: topk_threshold(grad, k), "projection": lambda: project_budget(score, budget)}
-        one = {op: median_time(fn, min_t, threads) for op, fn in fns.items()}
+        ones = {op: median_time(fn, min_t, threads) for op, fn in fns.items()}
         # one thread too: on a loaded host, threads that wait for each other inflate the parallel figure
-        one1 = {op: median_time(fn, min_t, 1) for op, fn in fns.items()} if threads > 1 else one
+        ones1 = {op: median_time(fn, min_t, 1) for op, fn in fns.items()} if threads > 1 else ones
+        del grad, score
         for op in ("threshold", "projection"):
+            one, one1 = ones[op], ones1[op]
             rows.append({"n": n, "op": op, "contender": f"one-process ({threads} threads)", "ranks": 1,
-                         "time_ms": 1e3 * one[op], "vs_one_process": 1.0, "collectives_per_call": 0,
+                         "time_ms": 1e3 * one, "vs_one_process": 1.0, "collectives_per_call": 0,
                          "payload_bytes_per_rank": 0})
             if threads > 1:
                 rows.append({"n": n, "op": op, "contender": "one-process (1 thread)", "ranks": 1,
-                             "time_ms": 1e3 * one1[op], "vs_one_process": one1[op] / one[op],
+                             "time_ms": 1e3 * one1, "vs_one_process": one1 / one,
                              "collectives_per_call": 0, "payload_bytes_per_rank": 0})
             for (o, name), r0 in ((key, v) for key, v in ranks[0].items() if isinstance(key, tuple)):
                 if o != op:
                     continue
                 secs = max(rk[(o, name)]["seconds"] for rk in ranks)
                 rows.append({"n": n, "op": op, "contender": f"{name} ({WORLD} ranks x {per_rank} thread)",
-                             "ranks": WORLD, "time_ms": 1e3 * secs, "vs_one_process": secs / one[op],
-                             "vs_one_process_1_thread": secs / one1[op], "collectives_per_call": r0["calls"],
+                             "ranks": WORLD, "time_ms": 1e3 * secs, "vs_one_process": secs / one,
+                             "vs_one_process_1_thread": secs / one1, "collectives_per_call": r0["calls"],
                              "payload_bytes_per_rank": r0["bytes"]})
         step = {key[1]: max(rk[key]["seconds"] for rk in ranks)
                 for key in ranks[0] if isinstance(key, tuple) and key[0] == "fsdp2 step"}
@@ -363,9 +380,10 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
                              "vs_one_process": "", "collectives_per_call": r0["calls"],
                              "payload_bytes_per_rank": _ring_bytes(kind, grown, w)})
     notes = (f"float32; N elements in all, 2 gloo ranks spawned on this machine (127.0.0.1), {per_rank} thread(s) "
-             f"each; one-process contenders with {threads} threads after the ranks exit. threshold: k = N/10 of "
+             f"each; one-process contenders with {threads} threads and 1 after the ranks exit. threshold: k = N/10 of "
              "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's median of "
-             "reps calls (15 up to 10M, 5 above; 3 with --quick) after warm-up calls, each call timed alone, in lockstep; "
+             "reps calls (15 up to 10M, 5 above; 3 with --quick) after a warm-up round, each call timed alone, in "
+             "lockstep, in 3 rounds that take the contenders in turn (a burst of reps/3 calls each); "
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
@@ -378,9 +396,9 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "0.1, global scope: the exact sharded threshold and the norms summed over the ranks) against the faster "
              "of torch's Adagrad foreach and for-loop steps on the same sharded model (torch's fused Adagrad has no "
              "DTensor support) (vs_adagrad; target <= 1.3), verified first against the "
-             "one-process PrunAdag step on the gathered parameters. 'blocking waits': the same calls with "
-             "prunopt.distributed.set_poll_time(0) (each collective blocks at once instead of polling for "
-             "completion first). "
+             "one-process PrunAdag step on the gathered parameters. 'polled waits': the same calls with "
+             "prunopt.distributed.set_poll_time(0.005) (each collective polled for completion for up to 5 ms "
+             "before it blocks; the default blocks at once). "
              "Rerun: `python -m prunopt.bench.run --only distributed [--quick]`.")
     columns = ["n", "op", "contender", "ranks", "time_ms", "vs_one_process", "vs_one_process_1_thread", "vs_adagrad",
                "collectives_per_call", "payload_bytes_per_rank"]

@@ -86,7 +86,7 @@ def test_set_poll_time():
         D.set_poll_time(previous)
 
 
-@pytest.mark.parametrize("raw,want", [(None, 0.005), ("0", 0.0), ("250", 250e-6)])
+@pytest.mark.parametrize("raw,want", [(None, 0.0), ("0", 0.0), ("250", 250e-6)])
 def test_poll_time_from_the_environment(monkeypatch, raw, want):
     if raw is None:
         monkeypatch.delenv("PRUNOPT_DIST_POLL_US", raising=False)
