@@ -14,8 +14,8 @@ from prunopt.cli import main
 from prunopt.train.methods import METHODS
 from prunopt.train.parallel import torchrun_environment
 
-from _job_helpers import (HERE, LINEAR_DRIVER, StoppedChild, assert_same_weights, free_port, read_json, run_child,
-                          summary_fields, summary_lines, torchrun_prefix, weights)
+from _job_helpers import (HERE, LINEAR_DRIVER, StoppedChild, assert_same_weights, assert_torchrun_finished, free_port,
+                          read_json, run_child, summary_fields, summary_lines, torchrun_prefix, weights)
 
 TORCHRUN_ENV = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 
@@ -139,13 +139,13 @@ def test_torchrun_resumes_bit_exactly(kind, tmp_path, linear_method):
         argv, env = ["--method", linear_method, "--fsdp"] + LINEAR, {"PRUNOPT_TEST_METHOD_MODULE": "_linear_method"}
         launch = [LINEAR_DRIVER]
     whole = run_child(torchrun_prefix(2) + launch + ["train"] + argv + ["--out", "whole"], cwd=str(tmp_path))
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert_torchrun_finished(whole)
     child = StoppedChild(argv + ["--out", "cut"], 1, cwd=str(tmp_path), torchrun=2, **env)
     child.wait_for_checkpoint()
     child.kill(signal.SIGKILL)
     assert (tmp_path / ".cut.partial" / "resume.pt").is_file() and not (tmp_path / "cut").exists()
     resumed = run_child(torchrun_prefix(2) + launch + ["train", "--resume", "cut", "--no-progress"], cwd=str(tmp_path))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_torchrun_finished(resumed)
     assert summary_lines(resumed.stdout) == summary_lines(whole.stdout)
     assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "whole"))
     assert not (tmp_path / ".cut.partial").exists()
