@@ -22,10 +22,10 @@ float32, ``N`` elements in all, split evenly over 2 gloo ranks spawned here
 Every contender is verified before it is timed (the sharded threshold
 bit-identical to ``torch.kthvalue`` on the gathered values, the sharded
 projection within 1e-5 of the one-process projection). The ranks time the
-contenders in lockstep and in turn (one warm-up round, then 3 rounds in
-which every contender makes a burst of ``reps / 3`` consecutive calls, each
-timed alone; a contender's figure is the median of its ``reps`` calls on the
-slower rank),
+contenders in lockstep and in turn (one warm-up round, then ``reps // 5``
+rounds in which every contender makes a burst of about 5 consecutive calls,
+each timed alone; a contender's figure is the median of its ``reps`` calls on
+the slower rank),
 so that the host's drift falls on all contenders alike; the FSDP2 steps
 likewise, among themselves. Bytes are counted by
 wrapping ``torch.distributed.all_reduce`` and ``all_gather_single``: the
@@ -93,19 +93,20 @@ class _Counter:
             setattr(dist, name, orig)
 
 
-def _lockstep_medians(fns: Dict[tuple, object], reps: int, rounds: int = 3) -> Dict[tuple, float]:
-    """Median seconds of ``reps`` calls of each contender, made in ``rounds``
-    rounds that take the contenders in turn (each round a burst of
-    ``reps / rounds`` consecutive calls of each contender, in one order on
-    every rank), so that the host's drift over the seconds of a run falls on
+def _lockstep_medians(fns: Dict[tuple, object], reps: int) -> Dict[tuple, float]:
+    """Median seconds of ``reps`` calls of each contender, made in
+    ``reps // 5`` rounds (at least one) that take the contenders in turn (each
+    round a burst of about 5 consecutive calls of each contender, in one order
+    on every rank), so that the host's drift over the seconds of a run falls on
     all contenders alike instead of on their ratios, while most calls still
     find the memory their previous call freed (a burst's first call can pay
-    for fresh pages after another contender's large allocations: the median
-    leaves it out). Every rank makes the same calls (the collectives inside
+    for fresh pages after another contender's large allocations, 50K page
+    faults for 200 MB: with bursts of 5 the median leaves it out; 5 calls or
+    fewer are one burst each, one contender after the other). Every rank makes the same calls (the collectives inside
     keep them in lockstep; an adaptive count such as ``blocked_autorange``
     could differ between ranks and hang)."""
     per: Dict[tuple, List[float]] = {key: [] for key in fns}
-    rounds = max(1, min(rounds, reps))
+    rounds = max(1, reps // 5)
     for fn in fns.values():  # warm-up
         fn()
     for r in range(rounds):
@@ -383,7 +384,8 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              f"each; one-process contenders with {threads} threads and 1 after the ranks exit. threshold: k = N/10 of "
              "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's median of "
              "reps calls (15 up to 10M, 5 above; 3 with --quick) after a warm-up round, each call timed alone, in "
-             "lockstep, in 3 rounds that take the contenders in turn (a burst of reps/3 calls each); "
+             "lockstep, in reps/5 rounds that take the contenders in turn (a burst of 5 calls each; one burst of "
+             "5 at 100M); "
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
