@@ -322,23 +322,14 @@ def _all_reduce(vec: Tensor, groups: List) -> Tensor:
     return vec
 
 
-def _slot_of(groups: List) -> Tuple[int, int]:
-    """``(this rank's index, the number of ranks)`` over the product of
-    ``groups`` (summed over in turn): the place of this rank's own entries in
-    a vector of per-rank slots that a sum fills on every rank."""
-    index, count = 0, 1
+def _rank_index(groups: List) -> int:
+    """This rank's index among the ranks of the product of ``groups`` (summed
+    over in turn; their number is the plan's ``world``): the place of its own
+    entries in a vector of per-rank slots that a sum fills on every rank."""
+    index = 0
     for g in groups:
-        size = dist.get_world_size(g)
-        index, count = index * size + dist.get_rank(g), count * size
-    return index, count
-
-
-def _f64_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_f64(b: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", b))[0]
+        index = index * dist.get_world_size(g) + dist.get_rank(g)
+    return index
 
 
 def _default_device(groups: List) -> torch.device:
@@ -684,7 +675,7 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
     n_r = sum(v.numel() for v in keys)
-    me, ranks = _slot_of(plan.groups)
+    me, ranks = _rank_index(plan.groups), plan.world
     # 1) a bracket of this rank's order statistic at the share ceil(k / W)
     share = -(-k // ranks)
     if not n_r:
@@ -700,10 +691,10 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     head = (1 << _HIST0_BITS) + _META
     vec = torch.zeros(head + 2 * ranks, dtype=torch.int64)
     vec[1 << _HIST0_BITS:head] = torch.tensor([n_r] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2])
-    vec[head + 2 * me] = _f64_bits(lo_r)
-    vec[head + 2 * me + 1] = _f64_bits(hi_r)
+    vec[head + 2 * me] = _f2b(lo_r)
+    vec[head + 2 * me + 1] = _f2b(hi_r)
     tail = _all_reduce(vec, plan.groups)[1 << _HIST0_BITS:].tolist()
-    meta, ends = tail[:_META], [_bits_f64(b) for b in tail[_META:]]
+    meta, ends = tail[:_META], [_b2f(b) for b in tail[_META:]]
     if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
         raise ValueError("values must have one dtype on every rank")
     if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
@@ -866,7 +857,7 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: b
     shift = spec.nbits - w0
     extra = 0 if above is None else 1
     # a select's first collective (above is None) has the bracket path's slots, unused here
-    slots = 2 * _slot_of(plan.groups)[1] if above is None else 0
+    slots = 2 * plan.world if above is None else 0
     vec = torch.zeros((1 << _HIST0_BITS) + _META + extra + slots, dtype=torch.int64, device=device)
     top = _TopDigit(keys, shift, w0, chunked=compact)
     vec[:1 << w0] = top.histogram()
