@@ -69,6 +69,15 @@ TORCH_LIBRARY(prunopt, m) {
   // |v| > hi (int64, 0-dim) and the |v| with lo <= |v| <= hi in index order
   // (the candidates; what the sharded threshold selects among).
   m.def("topk_bracket(Tensor[] values, float lo, float hi) -> (Tensor, Tensor)");
+  // prunAdag's bracket pass over one scope's local part (effective gradients
+  // ge = +-g + weight_decay x of the pruned tensors, bracket [lo, hi] of |ge|):
+  // float64 [#{|ge| > hi}, sum ge^2 over |ge| > hi, sum x^2 over |ge| < lo with
+  // x ge > 0, 1 if an effective gradient of any tensor is not finite else 0],
+  // and the candidates lo <= |ge| <= hi as their ge and x in index order. The
+  // sharded PrunAdag step selects tau among every rank's candidates and
+  // completes the ratio's norms from them (no second pass over g and x).
+  m.def("prunadag_bracket(Tensor[] params, Tensor[] grads, Tensor hyper, float lo, float hi) "
+      "-> (Tensor, Tensor, Tensor)");
 
   // Differentiable sparsification (Lee) and two-temperature
   // architecture pruning (Colombo & Gao). Kernels: csrc/cpu/{rgf_relu,

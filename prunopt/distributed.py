@@ -672,37 +672,10 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     alike the ranks' data are (at worst all of a rank's elements are
     candidates)."""
     dtype, device = local[0].dtype, local[0].device
-    spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
     n_r = sum(v.numel() for v in keys)
-    me, ranks = _rank_index(plan.groups), plan.world
-    # 1) a bracket of this rank's order statistic at the share ceil(k / W)
-    share = -(-k // ranks)
-    if not n_r:
-        lo_r, hi_r = math.inf, -math.inf  # no values: no say in the bracket
-    elif share > n_r or share < 1:  # t_r = 0 (k out of range is raised below, on every rank)
-        lo_r, hi_r = 0.0, 0.0
-    else:
-        lo_r, hi_r = _sample_bracket(keys, share, n_r)
-    # 2) laid out as the radix select's first vector (a zero histogram, then the
-    # same agreement fields and slots), so that ranks of different dtypes, which
-    # take different paths, still meet in one collective of one size and all raise
-    k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
-    head = (1 << _HIST0_BITS) + _META
-    vec = torch.zeros(head + 2 * ranks, dtype=torch.int64)
-    vec[1 << _HIST0_BITS:head] = torch.tensor([n_r] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2])
-    vec[head + 2 * me] = _f2b(lo_r)
-    vec[head + 2 * me + 1] = _f2b(hi_r)
-    tail = _all_reduce(vec, plan.groups)[1 << _HIST0_BITS:].tolist()
-    meta, ends = tail[:_META], [_b2f(b) for b in tail[_META:]]
-    if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
-        raise ValueError("values must have one dtype on every rank")
-    if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
-        raise ValueError(f"k must be the same on every rank, got {k} on this one")
-    n = int(meta[0])
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, n={n}], got {k}")
-    hi, lo = max(ends[1::2]), max(min(ends[0::2]), 0.0)
+    lo_r, hi_r = _share_bracket(k, plan.world, n_r, lambda share: _sample_bracket(keys, share, n_r))
+    _, lo, hi = _meet(plan, k, n_r, dtype, lo_r, hi_r)
     # 3) above the bracket, and the candidates inside it (one fused pass);
     # a non-finite value is reported through the radix select's first pass
     above, cands, bad = 0, [torch.empty(0, dtype=dtype, device=device)], False
@@ -723,8 +696,49 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     return got
 
 
+def _share_bracket(k: int, world: int, n_r: int, bracket) -> Tuple[float, float]:
+    """Step 1 of :func:`_bracket_select`: this rank's bracket ``(lo_r, hi_r)``
+    of its ``ceil(k / W)``-th largest (``bracket(share)`` brackets it from a
+    sample); ``(inf, -inf)`` without values (no say), ``(0, 0)`` where the
+    share exceeds them (``k`` out of range is raised later, on every rank)."""
+    share = -(-k // world)
+    if not n_r:
+        return math.inf, -math.inf
+    if share > n_r or share < 1:
+        return 0.0, 0.0
+    return bracket(share)
+
+
+def _meet(plan: _Plan, k: int, n_r: int, dtype: torch.dtype, lo_r: float, hi_r: float) -> Tuple[int, float, float]:
+    """Step 2 of :func:`_bracket_select`, the first collective: the global
+    ``n`` and the bracket ``[lo, hi]`` over every rank, after checking that
+    ``k`` and the dtype agree and that ``1 <= k <= n`` (``ValueError`` on
+    every rank alike). Laid out as the radix select's first vector (a zero
+    histogram, then the same agreement fields and slots), so that ranks of
+    different dtypes, which take different paths, still meet in one collective
+    of one size and all raise."""
+    spec = _RADIX[dtype]
+    me, ranks = _rank_index(plan.groups), plan.world
+    k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
+    head = (1 << _HIST0_BITS) + _META
+    vec = torch.zeros(head + 2 * ranks, dtype=torch.int64)
+    vec[1 << _HIST0_BITS:head] = torch.tensor([n_r] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2])
+    vec[head + 2 * me] = _f2b(lo_r)
+    vec[head + 2 * me + 1] = _f2b(hi_r)
+    tail = _all_reduce(vec, plan.groups)[1 << _HIST0_BITS:].tolist()
+    meta, ends = tail[:_META], [_b2f(b) for b in tail[_META:]]
+    if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
+        raise ValueError("values must have one dtype on every rank")
+    if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
+        raise ValueError(f"k must be the same on every rank, got {k} on this one")
+    n = int(meta[0])
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}], got {k}")
+    return n, max(min(ends[0::2]), 0.0), max(ends[1::2])
+
 def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: bool, lo: float, hi: float,
-                       nonfinite_is_none: bool):
+                       nonfinite_is_none: bool, weights: Optional[Tuple[Tensor, Tensor]] = None,
+                       extra: Sequence[float] = ()):
     """The ``(k - above summed over the ranks)``-th largest of the candidates
     ``cands`` (this rank's ``|v|`` inside ``[lo, hi]``, ``hi`` finite), by
     radix passes over the offsets ``bits(c) - bits(lo)``: the order of
@@ -733,7 +747,16 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
     passes of at most 2048 buckets (at most 3 for float32, 6 for float64).
     The first pass also sums the counts above the bracket, the candidates'
     count and the non-finite flags; ``_MISSED`` on every rank when the rank
-    left for the candidates is not in ``[1, their count]``."""
+    left for the candidates is not in ``[1, their count]``.
+
+    With ``weights = (w_ge, w_lt)`` (float64, one per candidate) each pass
+    also sums both weights per bucket, and the ``extra`` float64 numbers are
+    summed in the first pass (the vectors are then float64: counts stay exact
+    below 2^53). The result is then ``(tau, s_ge, s_lt, extra_sums)`` with
+    ``s_ge`` the sum of ``w_ge`` over every rank's candidates ``>= tau`` and
+    ``s_lt`` that of ``w_lt`` over those ``< tau``: a quantity split at the
+    threshold, with no pass over the values after it (the same float64 sums,
+    in the same order, on every rank)."""
     dtype = cands.dtype
     int_dtype = _RADIX[dtype].int_dtype
     base = int(torch.tensor(lo, dtype=dtype).view(int_dtype))
@@ -744,12 +767,23 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
     # (the sign bit cleared: a candidate -0.0 is 0.0)
     off = cands.view(int_dtype).bitwise_and((1 << _RADIX[dtype].nbits) - 1).sub_(base)
     shift = nb - widths[0]
-    vec = torch.zeros((1 << _HIST0_BITS) + 3, dtype=torch.int64)
+    size = 1 << _HIST0_BITS
+    nblocks = 1 if weights is None else 3
+    vec = torch.zeros(nblocks * size + 3 + len(extra), dtype=torch.int64 if weights is None else torch.float64)
     digits = torch.bitwise_right_shift(off, shift)
-    vec[:1 << widths[0]] = torch.bincount(digits, minlength=1 << widths[0])
-    vec[1 << _HIST0_BITS:] = torch.tensor([off.numel(), above, int(bad)])
+
+    def fill(v: Tensor, d: Tensor, width: int, block: int, w: Optional[Tuple[Tensor, Tensor]]) -> None:
+        # counts, then (weighted) the two weights' sums, per bucket; blocks of `block`
+        v[:1 << width] = torch.bincount(d, minlength=1 << width)
+        if w is not None:
+            v[block:block + (1 << width)] = torch.bincount(d, weights=w[0], minlength=1 << width)
+            v[2 * block:2 * block + (1 << width)] = torch.bincount(d, weights=w[1], minlength=1 << width)
+
+    fill(vec, digits, widths[0], size, weights)
+    vec[nblocks * size:] = torch.tensor([off.numel(), above, int(bad)] + list(extra), dtype=vec.dtype)
     _all_reduce(vec, groups)
-    n_c, n_above, n_bad = vec[1 << _HIST0_BITS:].tolist()
+    tail = vec[nblocks * size:].tolist()
+    n_c, n_above, n_bad = (int(x) for x in tail[:3])
     if n_bad:
         if nonfinite_is_none:
             return None
@@ -757,18 +791,36 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
     k_rem = k - n_above
     if not 1 <= k_rem <= n_c:
         return _MISSED
-    b, k_rem = _choose_host(vec[:1 << widths[0]].tolist(), k_rem)
+    s_ge, s_lt = [], []  # the weights' sums of whole buckets above / below the threshold's
+
+    def choose(v: Tensor, width: int, block: int, k_rem: int, last: bool) -> Tuple[int, int]:
+        hist = v[:1 << width].tolist()
+        b, k_rem = _choose_host(hist if weights is None else [int(x) for x in hist], k_rem)
+        if weights is not None:  # (the last pass's bucket holds tau itself: >= tau)
+            s_ge.extend(v[block + b + (0 if last else 1):block + (1 << width)].tolist())
+            s_lt.extend(v[2 * block:2 * block + b].tolist())
+        return b, k_rem
+
+    b, k_rem = choose(vec, widths[0], size, k_rem, len(widths) == 1)
     prefix = b
-    for w in widths[1:]:
+    w = weights
+    for i, width in enumerate(widths[1:], start=2):
         if off.numel():
-            off = off[digits == b]
-        shift -= w
-        digits = torch.bitwise_right_shift(off, shift).bitwise_and_((1 << w) - 1)
-        hist = torch.bincount(digits, minlength=1 << w)
+            keep = digits == b
+            off = off[keep]
+            if w is not None:
+                w = (w[0][keep], w[1][keep])
+        shift -= width
+        digits = torch.bitwise_right_shift(off, shift).bitwise_and_((1 << width) - 1)
+        hist = torch.zeros(nblocks << width, dtype=vec.dtype)
+        fill(hist, digits, width, 1 << width, w)
         _all_reduce(hist, groups)
-        b, k_rem = _choose_host(hist.tolist(), k_rem)
-        prefix = (prefix << w) | b
-    return torch.tensor(base + prefix, dtype=int_dtype).view(dtype)
+        b, k_rem = choose(hist, width, 1 << width, k_rem, i == len(widths))
+        prefix = (prefix << width) | b
+    tau = torch.tensor(base + prefix, dtype=int_dtype).view(dtype)
+    if weights is None:
+        return tau
+    return tau, math.fsum(s_ge), math.fsum(s_lt), tail[3:]
 
 
 # The sample that brackets a rank's order statistic: blocks of _SAMPLE_BLOCK
@@ -784,11 +836,13 @@ _SAMPLE_SIGMAS = 5.0
 _MISSED = object()
 
 
-def _sample(keys: List[Tensor], n_r: int) -> Tensor:
-    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few)."""
+def _sample_parts(keys: List[Tensor], n_r: int) -> List[Tensor]:
+    """A fixed sample of the flat ``keys`` (``n_r`` values in all), one piece
+    per key (the keys themselves when they are few); tensors of one shape
+    sampled alike give the same elements."""
     size = min(max(int((6 * n_r) ** (2 / 3)), _SAMPLE_MIN), _SAMPLE_MAX)
     if n_r <= size:
-        return torch.cat(keys).abs()
+        return list(keys)
     every = n_r // size  # one value (one block) in `every`
     parts = []
     for v in keys:
@@ -797,7 +851,12 @@ def _sample(keys: List[Tensor], n_r: int) -> Tensor:
             parts.append(v[:nb * _SAMPLE_BLOCK].view(nb, _SAMPLE_BLOCK)[every // 2::every].reshape(-1))
         else:
             parts.append(v[every // 2::every])
-    return torch.cat(parts).abs()
+    return parts
+
+
+def _sample(keys: List[Tensor], n_r: int) -> Tensor:
+    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few)."""
+    return torch.cat(_sample_parts(keys, n_r)).abs()
 
 
 def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, float]:
@@ -806,7 +865,12 @@ def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, fl
     (certainly when the sample is all of ``keys``; ``hi`` may be ``inf``).
     A non-finite sample value gives the widest bracket (the fused pass then
     reports it)."""
-    sample = _sample(keys, n_r)
+    return _bracket_of_sample(_sample(keys, n_r), share, n_r)
+
+
+def _bracket_of_sample(sample: Tensor, share: int, n_r: int) -> Tuple[float, float]:
+    """:func:`_sample_bracket` from the sample's ``|v|`` (all ``n_r`` values
+    of the rank when ``sample`` has as many)."""
     ns = sample.numel()
     if ns == 0:
         return 0.0, math.inf

@@ -1570,6 +1570,116 @@ at::Tensor prunadag_norms_cpu(at::TensorList params, at::TensorList grads, const
   return out;
 }
 
+// The bracket pass of the sharded PrunAdag step: the scan of the one-process
+// fused step (counts, the ratio's norms outside [lo, hi], candidates with
+// their x) over this process's part of a scope, reported instead of raised.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cpu(at::TensorList params, at::TensorList grads,
+    const at::Tensor& hyper, double lo, double hi) {
+  const char* op = "prunadag_bracket";
+  const size_t nt = params.size();
+  TORCH_CHECK_VALUE(grads.size() == nt, op, ": grads must have ", nt, " tensors, got ", grads.size());
+  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
+      hyper.size(1) == kHyperCols && hyper.device().is_cpu(), op, ": hyper must be a float64 CPU tensor of shape (",
+      nt, ", ", kHyperCols, "), got ", hyper.scalar_type(), " ", hyper.sizes(), " on ", hyper.device());
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  auto summary = at::zeros({4}, hyper.options());
+  if (nt == 0) {
+    const auto none = hyper.options().dtype(at::kFloat);  // no params: no dtype to follow
+    return {summary, at::empty({0}, none), at::empty({0}, none)};
+  }
+  const auto& p0 = params[0];
+  TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
+      ": params must be float32 or float64, got ", p0.scalar_type());
+  check_list(params, p0, nt, op, "params");
+  check_list(grads, p0, nt, op, "grads");
+  for (size_t i = 0; i < nt; ++i) {
+    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
+        i, "] ", params[i].sizes());
+  }
+  const at::Tensor h = hyper.contiguous();
+  const double* hp = h.data_ptr<double>();
+  const auto xs = contiguous_all(params), gs = contiguous_all(grads);
+  std::vector<Seg> segs;
+  int64_t total = 0;
+  for (size_t i = 0; i < nt; ++i) {
+    if (params[i].numel() == 0) {
+      continue;
+    }
+    Seg sg{};
+    sg.x = const_cast<void*>(xs[i].data_ptr());
+    sg.g = gs[i].data_ptr();
+    sg.n = params[i].numel();
+    sg.offset = total;
+    for (int c = 0; c < kHyperCols; ++c) {
+      sg.h[c] = hp[i * kHyperCols + c];
+    }
+    sg.prune = sg.h[kPrune] != 0.0;
+    segs.push_back(sg);
+    total += sg.n;
+  }
+  at::Tensor cand_g, cand_x;
+  double* o = summary.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_bracket", [&] {
+    const scalar_t lo_t = static_cast<scalar_t>(lo), hi_t = static_cast<scalar_t>(hi);
+    TORCH_CHECK_VALUE(static_cast<double>(lo_t) == lo && static_cast<double>(hi_t) == hi, op,
+        ": lo and hi must be values of the params' dtype, got lo=", lo, ", hi=", hi);
+    constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+    constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
+    const int64_t nchunks = total > 0 ? num_chunks(total) : 0;
+    std::vector<ScanOut<scalar_t>> outs(nchunks);
+    if (total > 0) {
+      for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
+        ScanOut<scalar_t>& out = outs[ch];
+        scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
+        scalar_t* cx = scratch<scalar_t>(1, end - begin + kPad);
+        for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
+          if (s.prune) {
+            scan_range<scalar_t, true, true>(s, b, e, lo_t, hi_t, out, cg, cx);
+          } else {
+            ScanOut<scalar_t> check;  // finiteness only: everything is "below" +inf
+            scan_range<scalar_t, true, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
+            out.bad |= check.bad;
+          }
+        });
+        if (out.ncand > 0 && !out.bad) {
+          out.cg.assign(cg, cg + out.ncand);
+          out.cx.assign(cx, cx + out.ncand);
+        }
+      });
+    }
+    int64_t n_above = 0, ncand = 0;
+    double g2 = 0.0, x2 = 0.0;
+    bool bad = false;
+    for (const auto& out : outs) {  // in chunk order: deterministic
+      n_above += out.above;
+      ncand += out.ncand;
+      g2 += out.g2;
+      x2 += out.x2;
+      bad |= out.bad;
+    }
+    if (bad) {
+      o[3] = 1.0;  // reported, not raised: the processes agree on it first
+      ncand = 0;
+    } else {
+      o[0] = static_cast<double>(n_above);
+      o[1] = g2;
+      o[2] = x2;
+    }
+    cand_g = at::empty({ncand}, p0.options());
+    cand_x = at::empty({ncand}, p0.options());
+    if (ncand > 0) {
+      scalar_t* dg = cand_g.data_ptr<scalar_t>();
+      scalar_t* dx = cand_x.data_ptr<scalar_t>();
+      for (const auto& out : outs) {  // in index order
+        dg = std::copy(out.cg.begin(), out.cg.end(), dg);
+        dx = std::copy(out.cx.begin(), out.cx.end(), dx);
+      }
+    }
+  });
+  return {summary, cand_g, cand_x};
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace prunopt
@@ -1579,4 +1689,5 @@ TORCH_LIBRARY_IMPL(prunopt, CPU, m) {
   m.impl("prunadag_step_", &prunopt::cpu::prunadag_step_cpu);
   m.impl("prunadag_norms", &prunopt::cpu::prunadag_norms_cpu);
   m.impl("topk_bracket", &prunopt::cpu::topk_bracket_cpu);
+  m.impl("prunadag_bracket", &prunopt::cpu::prunadag_bracket_cpu);
 }

@@ -730,6 +730,80 @@ at::Tensor prunadag_norms_cuda(at::TensorList params, at::TensorList grads, cons
   return out;
 }
 
+// prunAdag's bracket pass on CUDA, composed of ATen ops (as topk_bracket: the
+// candidates' count is data-dependent, so the output size is read on the host
+// anyway; the sharded step takes the radix passes on CUDA).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cuda(at::TensorList params, at::TensorList grads,
+    const at::Tensor& hyper, double lo, double hi) {
+  const char* op = "prunadag_bracket";
+  const size_t nt = params.size();
+  TORCH_CHECK_VALUE(grads.size() == nt, op, ": grads must have ", nt, " tensors, got ", grads.size());
+  TORCH_CHECK_VALUE(nt > 0, op, ": params must not be empty on CUDA (the device is unknown)");
+  const auto& p0 = params[0];
+  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
+      hyper.size(1) == kHyperCols && hyper.device() == p0.device(), op, ": hyper must be a float64 tensor of shape (",
+      nt, ", ", kHyperCols, ") on ", p0.device());
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
+      ": params must be float32 or float64, got ", p0.scalar_type());
+  for (size_t i = 0; i < nt; ++i) {
+    TORCH_CHECK_VALUE(params[i].scalar_type() == p0.scalar_type() && grads[i].scalar_type() == p0.scalar_type() &&
+        params[i].device() == p0.device() && grads[i].device() == p0.device() &&
+        params[i].layout() == at::kStrided && grads[i].layout() == at::kStrided &&
+        grads[i].sizes() == params[i].sizes(), op, ": params[", i, "] and grads[", i,
+        "] must be dense tensors of the dtype and device of params[0] and one shape");
+  }
+  AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_bracket", [&] {
+    TORCH_CHECK_VALUE(static_cast<double>(static_cast<scalar_t>(lo)) == lo &&
+        static_cast<double>(static_cast<scalar_t>(hi)) == hi, op,
+        ": lo and hi must be values of the params' dtype, got lo=", lo, ", hi=", hi);
+  });
+  c10::cuda::CUDAGuard guard(p0.device());
+  const at::Tensor hc = hyper.to(at::kCPU).contiguous();
+  const double* hp = hc.data_ptr<double>();
+  at::Tensor above = at::zeros({}, hyper.options()), g2 = at::zeros({}, hyper.options()),
+             x2 = at::zeros({}, hyper.options());
+  at::Tensor finite = at::ones({}, p0.options().dtype(at::kBool));
+  std::vector<at::Tensor> cg, cx;
+  for (size_t i = 0; i < nt; ++i) {
+    if (params[i].numel() == 0) {
+      continue;
+    }
+    const at::Tensor x = params[i].reshape({-1});
+    at::Tensor ge = grads[i].reshape({-1});
+    if (hp[i * kHyperCols + kMaximize] != 0.0) {
+      ge = ge.neg();
+    }
+    if (hp[i * kHyperCols + kWeightDecay] != 0.0) {
+      ge = ge.add(x, hp[i * kHyperCols + kWeightDecay]);
+    }
+    finite.logical_and_(at::isfinite(ge).all());
+    if (hp[i * kHyperCols + kPrune] == 0.0) {
+      continue;
+    }
+    const at::Tensor a = ge.abs();
+    const at::Tensor up = a.gt(hi), in = a.ge(lo).logical_and_(a.le(hi));
+    above.add_(up.sum());
+    g2.add_(ge.to(at::kDouble).square().mul_(up).sum());
+    x2.add_(x.to(at::kDouble).square().mul_(a.lt(lo).logical_and_(x.mul(ge).gt(0))).sum());
+    cg.push_back(ge.masked_select(in));
+    cx.push_back(x.masked_select(in));
+  }
+  auto summary = at::zeros({4}, hyper.options());
+  if (!finite.item<bool>()) {
+    summary[3] = 1.0;  // reported, not raised: the processes agree on it first
+    return {summary, at::empty({0}, p0.options()), at::empty({0}, p0.options())};
+  }
+  summary[0] = above;
+  summary[1] = g2;
+  summary[2] = x2;
+  if (cg.empty()) {
+    return {summary, at::empty({0}, p0.options()), at::empty({0}, p0.options())};
+  }
+  return {summary, at::cat(cg), at::cat(cx)};
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace prunopt
@@ -739,4 +813,5 @@ TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
   m.impl("prunadag_step_", &prunopt::cuda::prunadag_step_cuda);
   m.impl("prunadag_norms", &prunopt::cuda::prunadag_norms_cuda);
   m.impl("topk_bracket", &prunopt::cuda::topk_bracket_cuda);
+  m.impl("prunadag_bracket", &prunopt::cuda::prunadag_bracket_cuda);
 }

@@ -16,7 +16,7 @@ from torch import Tensor
 
 __all__ = ["check_projection", "check_fb_reconstruct", "check_fb_grad_h", "check_fb_conv", "check_fb_csr",
            "check_float_tensor", "check_like", "check_rgf_alpha", "check_temperature", "check_gate",
-           "check_topk_values", "check_prunadag_step", "check_prunadag_norms", "representable",
+           "check_topk_values", "check_prunadag_step", "check_prunadag_norms", "check_prunadag_bracket", "representable",
            "check_disjoint_writes"]
 
 
@@ -379,3 +379,35 @@ def check_prunadag_norms(params, grads, hyper, tau, op: str = "prunadag_norms") 
     for i in range(nt):
         if grads[i].shape != params[i].shape:
             raise ValueError(f"{op}: grads[{i}] must have the shape of params[{i}] {list(params[i].shape)}")
+
+
+def check_prunadag_bracket(params, grads, hyper, lo, hi, op: str = "prunadag_bracket") -> None:
+    """The checks of ``prunadag_bracket`` that need no data."""
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"{op}: params must be a list of tensors, got {type(params).__name__}")
+    nt = len(params)
+    if not isinstance(grads, (list, tuple)) or len(grads) != nt:
+        raise ValueError(f"{op}: grads must have {nt} tensors, got "
+                         f"{len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__}")
+    _tensor(hyper, "hyper", op)
+    if hyper.dtype != torch.float64 or hyper.dim() != 2 or tuple(hyper.shape) != (nt, 6):
+        raise ValueError(f"{op}: hyper must be a float64 tensor of shape ({nt}, 6), got {hyper.dtype} "
+                         f"{list(hyper.shape)}")
+    if not (math.isfinite(lo) and lo >= 0.0):
+        raise ValueError(f"{op}: lo must be finite and >= 0, got {lo}")
+    if not hi >= lo:
+        raise ValueError(f"{op}: hi must be >= lo (inf allowed), got lo={lo}, hi={hi}")
+    if not params:
+        return
+    p0 = _tensor(params[0], "params[0]", op)
+    if p0.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: params must be float32 or float64, got {p0.dtype}")
+    _check_list(params, p0, nt, "params", op)
+    _check_list(grads, p0, nt, "grads", op)
+    for i in range(nt):
+        if grads[i].shape != params[i].shape:
+            raise ValueError(f"{op}: grads[{i}] must have the shape of params[{i}] {list(params[i].shape)}")
+    if hyper.device != p0.device:
+        raise ValueError(f"{op}: hyper must be on {p0.device}, got {hyper.device}")
+    if not (representable(lo, p0.dtype) and representable(hi, p0.dtype)):
+        raise ValueError(f"{op}: lo and hi must be values of the params' dtype, got lo={lo}, hi={hi}")

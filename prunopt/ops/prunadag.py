@@ -25,7 +25,7 @@ from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.prunadag import topk_threshold_reference as _topk_threshold_reference
 
-__all__ = ["topk_threshold", "topk_bracket", "prunadag_norms", "PRUNADAG_DEVICES"]
+__all__ = ["topk_threshold", "topk_bracket", "prunadag_norms", "prunadag_bracket", "PRUNADAG_DEVICES"]
 
 PRUNADAG_DEVICES = _kernel_devices("prunadag_step_")
 _THRESHOLD_DEVICES = _kernel_devices("topk_threshold")
@@ -162,6 +162,62 @@ def prunadag_norms(params: List[Tensor], grads: List[Tensor], hyper: Tensor, tau
 _NORMS_DEVICES = _kernel_devices("prunadag_norms")
 
 
+def prunadag_bracket(params: List[Tensor], grads: List[Tensor], hyper: Tensor, lo: float, hi: float):
+    r"""prunAdag's bracket pass over this process's part of one selection
+    scope: one read of ``params`` and ``grads`` that gives what the sharded
+    step needs to select ``tau`` in ``[lo, hi]`` and to complete the ratio's
+    norms (Table 1) without reading them again.
+
+    With the effective gradients ``ge`` of the pruned tensors it returns
+    ``(summary, cand_g, cand_x)``: ``summary`` float64
+    ``[a, G, X, bad]`` with ``a`` the number of :math:`|ge| > hi`,
+    :math:`G = \sum_{|ge| > hi} ge^2`, :math:`X = \sum x^2` over
+    :math:`|ge| < lo,\ x\,ge > 0`, ``bad = 1`` if an effective gradient of
+    any tensor (pruned or not) is not finite (reported, not raised: then
+    ``a = G = X = 0`` and no candidates); ``cand_g`` and ``cand_x`` the ``ge``
+    and ``x`` of the candidates :math:`lo \le |ge| \le hi` in index order.
+    For ``tau`` in ``[lo, hi]``: :math:`\|g\|_R^2 = G + \sum_{|c| \ge \tau} c^2`,
+    :math:`\|x\|_M^2 = X + \sum_{|c| < \tau,\ x_c c > 0} x_c^2`. ``G`` is
+    summed in short float blocks and ``X`` leaves squares below ``2^-120``
+    (float32; ``2^-1000`` float64) out, as the one-process fused step does.
+
+    Args:
+        params, grads: lists of one dtype (float32 or float64) and device,
+            grads shaped like params.
+        hyper: float64 ``(len(params), 6)``, the rows of ``prunadag_step_``
+            (weight decay, maximize and the prune flag are used).
+        lo, hi: ``0 <= lo <= hi`` (``hi`` may be ``inf``), values of the dtype.
+
+    Returns:
+        ``(summary, cand_g, cand_x)`` on the params' device.
+    """
+    from prunopt.reference.prunadag import TensorHyper, prunadag_bracket_reference
+
+    for name, lst in (("params", params), ("grads", grads)):
+        if not isinstance(lst, (list, tuple)) or not all(isinstance(t, Tensor) for t in lst):
+            raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
+    if not isinstance(hyper, Tensor):
+        raise TypeError(f"hyper must be a float64 tensor, got {type(hyper).__name__}")
+    for name, b in (("lo", lo), ("hi", hi)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"{name} must be a real number, got {type(b).__name__}")
+        try:
+            float(b)
+        except OverflowError:  # an int beyond the float range
+            raise ValueError(f"{name} must be a float, got an integer beyond the float range") from None
+    lo, hi = float(lo), float(hi)
+    if params and params[0].device.type in _PRUNADAG_BRACKET_DEVICES:
+        return torch.ops.prunopt.prunadag_bracket(list(params), list(grads), hyper, lo, hi)
+    _fc.check_prunadag_bracket(list(params), list(grads), hyper, lo, hi)
+    rows = hyper.detach().cpu().tolist()
+    hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5])) for r in rows]
+    out = prunadag_bracket_reference(params, grads, hypers, lo, hi)
+    return tuple(t.to(params[0].device) for t in out) if params else out
+
+
+_PRUNADAG_BRACKET_DEVICES = _kernel_devices("prunadag_bracket")
+
+
 if extension_available():
 
     # (each fake runs the real kernel's argument checks on the metadata first:
@@ -183,6 +239,13 @@ if extension_available():
     def _prunadag_norms_fake(params, grads, hyper, tau):
         _fc.check_prunadag_norms(params, grads, hyper, tau)
         return hyper.new_empty(3)
+
+    @torch.library.register_fake("prunopt::prunadag_bracket")
+    def _prunadag_bracket_fake(params, grads, hyper, lo, hi):
+        _fc.check_prunadag_bracket(params, grads, hyper, lo, hi)
+        n = torch.library.get_ctx().new_dynamic_size()
+        like = params[0] if params else hyper.new_empty(0, dtype=torch.float32)
+        return hyper.new_empty(4), like.new_empty(n), like.new_empty(n)
 
     @torch.library.register_fake("prunopt::topk_threshold")
     def _topk_threshold_fake(values, k):

@@ -469,6 +469,15 @@ def _selection_keys(loc: _Scope, counted: List[bool]):
     return keys, flags
 
 
+def _local_hyper(loc: _Scope, counted: List[bool]) -> Tensor:
+    """The fused op's rows for this rank's part of a scope, with the prune flag
+    cleared on tensors counted on another rank (replicas take no part)."""
+    hyper = _hyper_tensor(loc)
+    if not all(counted):
+        hyper[:, 5] *= torch.tensor([float(c) for c in counted], dtype=torch.float64, device=hyper.device)
+    return hyper
+
+
 def _local_norms(loc: _Scope, counted: List[bool], tau: Optional[Tensor]) -> Tensor:
     """This rank's share of ``||g||_R^2`` and ``||x||_M^2`` (Table 1) and
     whether an effective gradient here is not finite: float64 ``[g, x, bad]``
@@ -481,22 +490,101 @@ def _local_norms(loc: _Scope, counted: List[bool], tau: Optional[Tensor]) -> Ten
     dev = loc.params[0].device
     t = torch.zeros((), dtype=torch.float64, device=dev) if tau is None else tau.to(dev, torch.float64)
     if len({p.dtype for p in loc.params}) == 1 and len({p.device for p in loc.params}) == 1:
-        hyper = _hyper_tensor(loc)
-        if not all(counted):
-            hyper[:, 5] *= torch.tensor([float(c) for c in counted], dtype=torch.float64, device=hyper.device)
-        return prunadag_norms(loc.params, loc.grads, hyper, t.reshape(1))
+        return prunadag_norms(loc.params, loc.grads, _local_hyper(loc, counted), t.reshape(1))
     hypers = [TensorHyper(**{**h.__dict__, "prune": h.prune and c}) for h, c in zip(loc.hypers, counted)]
     return prunadag_norms_reference(loc.params, loc.grads, hypers, t).to(dev)
+
+
+# The fused select's answer when an effective gradient on some rank is not finite
+_NONFINITE = object()
+# ||x||^2 leaves out squares below this (per dtype) in the fused scan, ||g||^2
+# sums float32 squares in short float blocks: below these fractions of n the
+# norms are taken again in double (as the one-process fused step does)
+_XMIN = {torch.float32: 2.0 ** -60, torch.float64: 2.0 ** -500}
+
+
+def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
+    """The threshold of one scope over every rank and the ratio's norms from
+    the same pass (the sharded form of the one-process fused scan):
+
+    1. each rank brackets its share of the top-``T`` from a fixed sample of its
+       effective gradients; the first collective gives every rank the global
+       ``n`` and bracket ``[lo, hi]`` (:func:`prunopt.distributed._meet`);
+    2. ``prunadag_bracket`` reads ``x`` and ``g`` once: counts above ``hi``,
+       the norms' sums outside the bracket, the candidates with their ``x``;
+    3. radix passes over the candidates select ``tau`` and carry, per bucket,
+       the candidates' ``ge^2`` and sign-matched ``x^2``, so the norms
+       ``||g||_R^2 = G + sum_{|c| >= tau} c^2`` and
+       ``||x||_M^2 = X + sum_{|c| < tau, x c > 0} x^2`` come out of the same
+       collectives (2-3 in all for float32; no norms pass, no norms collective).
+
+    Returns ``(tau, (g_r2, x_m2))`` (global; ``(tau, None)`` when the sums are
+    small enough that the one-process step would take them again in double),
+    ``_NONFINITE`` on every rank when an effective gradient on some rank is
+    not finite, or ``None`` where this path does not apply (another dtype or
+    device, no bracket, a bracket that missed: the caller selects as before;
+    every rank decides alike). ``group``: what the sums run over (see
+    :mod:`prunopt.distributed`; ``None`` without a process group is one
+    process)."""
+    from prunopt import distributed as D
+    from prunopt.ops.prunadag import prunadag_bracket
+
+    if not loc.params or not extension_available():
+        return None
+    dtype, device = loc.params[0].dtype, loc.params[0].device
+    if (dtype not in _XMIN or device.type not in D._BRACKET_DEVICES
+            or any(p.dtype != dtype or p.device != device for p in loc.params)):
+        return None
+    plan = D._plan(loc.params, group, "params")
+    hyper = _local_hyper(loc, counted)
+    rows = hyper.tolist()
+    pruned = [i for i, r in enumerate(rows) if r[5] != 0.0 and loc.params[i].numel()]
+    n_r = sum(loc.params[i].numel() for i in pruned)
+
+    def bracket(share: int):
+        gs = D._sample_parts([loc.grads[i].detach().reshape(-1) for i in pruned], n_r)
+        xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r)
+        parts = []
+        for i, g, x in zip(pruned, gs, xs):
+            ge = -g if rows[i][4] else g
+            parts.append((ge + x * rows[i][2]) if rows[i][2] != 0.0 else ge)
+        return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r)
+
+    lo_r, hi_r = D._share_bracket(T, plan.world, n_r, bracket)
+    n, lo, hi = D._meet(plan, T, n_r, dtype, lo_r, hi_r)
+    if math.isinf(hi):
+        return None
+    with torch.no_grad():
+        summary, cg, cx = prunadag_bracket(loc.params, loc.grads, hyper, lo, hi)
+        a, G, X, bad = summary.tolist()
+        keys = cg.abs()
+        w_ge = keys.double().square()
+        w_lt = torch.where(cx * cg > 0, cx.double().square(), 0.0)
+    got = D._select_in_bracket(keys, plan.groups, T, int(a), bad != 0.0, lo, hi, True, weights=(w_ge, w_lt),
+                               extra=(G, X))
+    if got is None:
+        return _NONFINITE
+    if got is D._MISSED:
+        return None
+    tau, s_ge, s_lt, (G, X) = got
+    g_r2, x_m2 = G + s_ge, X + s_lt
+    xmin = _XMIN[dtype]
+    small = x_m2 < n * xmin * xmin * (2.0 ** 24 if dtype == torch.float32 else 2.0 ** 53)
+    if (dtype == torch.float32 and g_r2 < n * 2.0 ** -102) or small:
+        return tau, None
+    return tau, (g_r2, x_m2)
 
 
 def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: Optional[Tensor] = None) -> None:
     """One step over scopes whose parameters are sharded (FSDP2 DTensors): the
     threshold ``tau`` of each scope is selected over its logical tensors on
-    every rank (exact, :func:`prunopt.distributed.topk_threshold`), the norms
-    of the ratio ``r`` and a non-finite flag are summed over the ranks (one
-    ``all_reduce`` for all scopes), and each rank runs the element pass of the
-    chosen path on its local shards with that ``tau`` and ``r``: the step of
-    one process on the whole parameters, to the rounding of the norms' sums.
+    every rank (exact, as :func:`prunopt.distributed.topk_threshold`), the
+    norms of the ratio ``r`` are summed over the ranks (float32/float64 on the
+    CPU: from the selection's own pass and collectives, :func:`_fused_select`;
+    otherwise with a non-finite flag in one ``all_reduce`` for all scopes),
+    and each rank runs the element pass of the chosen path on its local
+    shards with that ``tau`` and ``r``: the step of one process on the whole
+    parameters, to the rounding of the norms' sums.
 
     Non-finite gradients on any rank: every rank raises ``ValueError`` (or,
     with ``found_nonfinite``, sets it to 1) before anything is written."""
@@ -510,27 +598,44 @@ def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: 
         raise ValueError("PrunAdag: grads contain a non-finite value (on at least one rank); the step was skipped "
                          "(nothing was updated)")
 
-    # 1) the threshold of each scope over its logical tensors (T of the global n);
+    # 1) the threshold of each scope over its logical tensors (T of the global n),
+    #    with the ratio's norms from the same pass where the fused select applies;
     #    a non-finite key on any rank is known to every rank here
-    taus, targets = [], []
+    taus, targets, norms = [], [], []
     for s, loc, cnt in zip(scopes, locs, counted):
         n, T = s.n(), s.target()
         targets.append(T)
-        tau = None  # T >= n: every element is relevant
+        tau, nrm = None, None  # T >= n: every element is relevant
         if n > 0 and T < n:
-            keys, flags = _selection_keys(loc, cnt)
-            tau = view.threshold(keys, flags, T)
-            if tau is None:
+            # (the fused select's keys are the fused kernel's effective gradients:
+            # weight decay's product rounded before the sum; the other paths'
+            # element passes take torch's, so they select with those)
+            same_keys = impl == "fused" or all(h.weight_decay == 0 for h in loc.hypers)
+            got = _fused_select(loc, cnt, T, view.group) if same_keys else None
+            if got is _NONFINITE:
                 return nonfinite()
+            if got is not None:
+                tau, nrm = got
+            else:
+                keys, flags = _selection_keys(loc, cnt)
+                tau = view.threshold(keys, flags, T)
+                if tau is None:
+                    return nonfinite()
         taus.append(tau)
-    # 2) the ratio's norms and the finiteness of every tensor, summed over the ranks in one all_reduce
-    parts = [_local_norms(loc, cnt, tau) if loc.params else torch.zeros(3, dtype=torch.float64, device=view.device)
-             for loc, cnt, tau in zip(locs, counted, taus)]
-    sums = view.sum([v for part in parts for v in part.unbind()]).view(-1, 3)
-    if bool(sums[:, 2].sum().item() != 0):
-        return nonfinite()
-    ratios = [torch.where(x_m > 0, g_r.sqrt() / x_m.sqrt(), torch.zeros_like(x_m))
-              for g_r, x_m in zip(sums[:, 0], sums[:, 1])]
+        norms.append(nrm)
+    # 2) the other scopes' norms and the finiteness of every tensor, summed over
+    #    the ranks in one all_reduce
+    rest = [i for i, nrm in enumerate(norms) if nrm is None]
+    if rest:
+        parts = [_local_norms(locs[i], counted[i], taus[i]) if locs[i].params
+                 else torch.zeros(3, dtype=torch.float64, device=view.device) for i in rest]
+        sums = view.sum([v for part in parts for v in part.unbind()]).view(-1, 3)
+        if bool(sums[:, 2].sum().item() != 0):
+            return nonfinite()
+        for i, (g_r, x_m) in zip(rest, sums[:, :2].tolist()):
+            norms[i] = (g_r, x_m)
+    ratios = [torch.tensor(math.sqrt(g_r) / math.sqrt(x_m) if x_m > 0 else 0.0, dtype=torch.float64)
+              for g_r, x_m in norms]
     # 3) the element pass on the local shards
     for loc, T, tau, r in zip(locs, targets, taus, ratios):
         if impl == "fused":

@@ -26,6 +26,7 @@ __all__ += [
 # --- prunAdag (Porcelli et al.) ---
 from prunopt.reference.prunadag import (  # noqa: E402
     TensorHyper,
+    prunadag_bracket_reference,
     prunadag_norms_reference,
     prunadag_step_reference,
     resolve_relevant,
@@ -36,6 +37,7 @@ from prunopt.reference.prunadag import (  # noqa: E402
 
 __all__ += [
     "TensorHyper",
+    "prunadag_bracket_reference",
     "prunadag_norms_reference",
     "prunadag_step_reference",
     "resolve_relevant",
@@ -79,6 +81,7 @@ REFERENCE_FOR_OP = {
     "topk_bracket": topk_bracket_reference,
     "prunadag_step_": prunadag_step_reference,
     "prunadag_norms": prunadag_norms_reference,
+    "prunadag_bracket": prunadag_bracket_reference,
     "fb_reconstruct": fb_reconstruct_reference,
     "fb_reconstruct_backward": fb_coefficient_grads_reference,
     "fb_conv2d": fb_conv2d_reference,

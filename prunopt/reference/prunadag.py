@@ -29,6 +29,7 @@ __all__ = [
     "topk_bracket_reference",
     "effective_grad",
     "prunadag_norms_reference",
+    "prunadag_bracket_reference",
     "prunadag_step_reference",
     "support_norm_lmo_reference",
 ]
@@ -111,6 +112,58 @@ def topk_bracket_reference(values: Sequence[Tensor], lo: float, hi: float) -> Tu
     if not bool(torch.isfinite(flat).all()):
         raise ValueError("values contain a non-finite value")
     return (flat > hi).sum().to(torch.int64), flat[(flat >= lo) & (flat <= hi)]
+
+
+def prunadag_bracket_reference(params: List[Tensor], grads: List[Tensor], hypers: List[TensorHyper],
+                               lo: float, hi: float) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""prunAdag's bracket pass over one process's part of a scope (the oracle
+    of the ``prunadag_bracket`` op). With the effective gradients ``ge``
+    (:func:`effective_grad`) of the pruned tensors and a bracket
+    ``[lo, hi]`` of ``|ge|``:
+
+    * ``summary``, float64 ``[a, G, X, bad]``: ``a`` the number of
+      :math:`|ge| > hi`, :math:`G = \sum_{|ge| > hi} ge^2`,
+      :math:`X = \sum x^2` over :math:`|ge| < lo` with :math:`x\,ge > 0`,
+      and ``bad = 1`` if an effective gradient of any tensor (pruned or not)
+      is not finite (then ``a = G = X = 0`` and no candidates);
+    * the candidates :math:`lo \le |ge| \le hi`: their ``ge`` and their ``x``,
+      in index order over the concatenation.
+
+    For any threshold ``tau`` in ``[lo, hi]``, Table 1's squared norms are
+    :math:`\|g\|_R^2 = G + \sum_{|c| \ge \tau} c^2` and
+    :math:`\|x\|_M^2 = X + \sum_{|c| < \tau,\, x_c c > 0} x_c^2` over the
+    candidates ``c`` (sums in float64; the compiled kernel sums ``G`` in short
+    float blocks and leaves squares below ``2^-120`` (float32) out of ``X``)."""
+    g_above = x_below = 0.0
+    above, bad = 0, False
+    cg, cx = [], []
+    dtype = params[0].dtype if params else torch.float32
+    with torch.no_grad():
+        for x, g, hp in zip(params, grads, hypers):
+            # the effective gradient with the product rounded before the sum, as
+            # the fused kernels compute it (effective_grad's add may fuse them)
+            xf = x.reshape(-1)
+            ge = -g.reshape(-1) if hp.maximize else g.reshape(-1)
+            if hp.weight_decay != 0:
+                ge = ge + xf * hp.weight_decay
+            bad |= not bool(torch.isfinite(ge).all())
+            if not hp.prune or x.numel() == 0:
+                continue
+            a = ge.abs()
+            up = a > hi
+            above += int(up.sum())
+            g_above += float((ge.double().pow(2) * up).sum())
+            x_below += float((xf.double().pow(2) * ((a < lo) & (xf * ge > 0))).sum())
+            inside = (a >= lo) & (a <= hi)
+            cg.append(ge[inside])
+            cx.append(xf[inside])
+    empty = torch.empty(0, dtype=dtype)
+    if bad:
+        return torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64), empty, empty.clone()
+    summary = torch.tensor([float(above), g_above, x_below, 0.0], dtype=torch.float64)
+    if not cg:
+        return summary, empty, empty.clone()
+    return summary, torch.cat(cg), torch.cat(cx)
 
 
 _SQRT_IS_IEEE: dict = {}

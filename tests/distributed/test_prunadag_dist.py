@@ -164,6 +164,71 @@ def test_sharded_threshold_is_the_global_one_not_the_shards(results):
     assert any(per_shard != one for _, one, per_shard in ok(results["threshold_is_global"]))
 
 
+# ------------------------------------------------------------------ fused select
+def _fused_select_run(rank, weight_decay):
+    """A float32 FSDP2 model of ~40k weights, the fused path: every step's
+    threshold and ratio norms come from one bracket pass and the selection's
+    own collectives (no norms pass, no norms all_reduce)."""
+    import torch.distributed as dist
+
+    import prunopt.optim.prunadag as P
+
+    g = torch.Generator().manual_seed(11)
+    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model = _wrap(model, rank, "fsdp")
+    opt = PrunAdag(model.parameters(), lr=0.01, relevant=0.1, fused=True, weight_decay=weight_decay)
+    x = torch.randn(32, 64, generator=g)
+    seen = {"calls": [], "norms": 0, "fused": []}
+    if rank is not None:
+        reduce, norms, fused = dist.all_reduce, P._local_norms, P._fused_select
+
+        def counting(*a, **kw):
+            seen["calls"][-1] += 1
+            return reduce(*a, **kw)
+
+        def counting_norms(*a, **kw):
+            seen["norms"] += 1
+            return norms(*a, **kw)
+
+        def recording(*a, **kw):
+            got = fused(*a, **kw)
+            seen["fused"].append(got is not None and got is not P._NONFINITE and got[1] is not None)
+            return got
+    for step in range(3):
+        opt.zero_grad()
+        (model(x + step).square().mean()).backward()
+        if rank is None:
+            opt.step()
+            continue
+        seen["calls"].append(0)
+        dist.all_reduce, P._local_norms, P._fused_select = counting, counting_norms, recording
+        try:
+            opt.step()
+        finally:
+            dist.all_reduce, P._local_norms, P._fused_select = reduce, norms, fused
+    return _params(model), seen
+
+
+for _wd in (0.0, 0.01):
+    _scenario(_name("fused_select", (_wd,)), _fused_select_run, _wd)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_fused_select_takes_the_norms_from_the_selection(results, weight_decay):
+    """Each step: the bracket's collective and 1-3 radix passes, no norms pass
+    and no norms all_reduce; the parameters those of one process (float32:
+    the same tau, the ratio to the rounding of its sums)."""
+    want, _ = _fused_select_run(None, weight_decay)
+    for params, seen in ok(results[_name("fused_select", (weight_decay,))]):
+        assert seen["fused"] == [True] * 3 and seen["norms"] == 0
+        assert all(2 <= c <= 4 for c in seen["calls"]), seen["calls"]
+        for p, q in zip(params, want):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 # ------------------------------------------------------------------ errors
 def _nonfinite_on_one_rank(rank, path):
     model = _wrap(_model(), rank, "fsdp")

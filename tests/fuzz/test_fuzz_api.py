@@ -31,9 +31,10 @@ import prunopt.nn as pnn
 import prunopt.ops as pops
 import prunopt.optim as poptim
 import prunopt.pruning as ppr
-from prunopt.reference import (TensorHyper, fb_conv2d_reference, fb_reconstruct_reference, prunadag_norms_reference,
-                               project_budget_reference, rgf_relu_reference, sparse_gate_reference,
-                               topk_bracket_reference, topk_threshold_reference, two_temperature_sigmoid_reference)
+from prunopt.reference import (TensorHyper, fb_conv2d_reference, fb_reconstruct_reference,
+                               prunadag_bracket_reference, prunadag_norms_reference, project_budget_reference,
+                               rgf_relu_reference, sparse_gate_reference, topk_bracket_reference,
+                               topk_threshold_reference, two_temperature_sigmoid_reference)
 
 from _fuzz import assert_clean_error, call, fuzz_settings, same_bits, tensor
 
@@ -108,6 +109,14 @@ def _check_bracket(out, kw):
     assert torch.equal(out[0], above) and torch.equal(out[1], cands)
 
 
+def _check_prunadag_bracket(out, kw):
+    hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5]))
+              for r in kw["hyper"].tolist()]
+    summary, cand_g, cand_x = prunadag_bracket_reference(kw["params"], kw["grads"], hypers, kw["lo"], kw["hi"])
+    torch.testing.assert_close(out[0], summary, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[1], cand_g) and torch.equal(out[2], cand_x)
+
+
 def _check_norms(out, kw):
     hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5]))
               for r in kw["hyper"].tolist()]
@@ -133,6 +142,12 @@ ENTRIES: Dict[str, Entry] = {
         hyper=torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0], [0.1, 0.1, 0.01, 1e-10, 1.0, 1.0]], dtype=torch.float64),
         tau=torch.tensor(0.5, dtype=torch.float64)), check=lambda out, kw: _check_norms(out, kw),
         aliases={"params": ["params", "grads"]}),  # (a params list that grads does not match: either is named)
+    "ops.prunadag_bracket": Entry(pops.prunadag_bracket, lambda: dict(
+        params=[tensor((5,), torch.float32, 1), tensor((2, 3), torch.float32, 2)],
+        grads=[tensor((5,), torch.float32, 3), tensor((2, 3), torch.float32, 4)],
+        hyper=torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0], [0.1, 0.1, 0.01, 1e-10, 1.0, 1.0]], dtype=torch.float64),
+        lo=0.25, hi=1.5), check=lambda out, kw: _check_prunadag_bracket(out, kw),
+        aliases={"params": ["params", "grads"]}),
     "ops.fb_reconstruct": Entry(pops.fb_reconstruct, lambda: dict(coefficients=tensor((3, 2, 4), torch.float32, 1),
                                                                   basis=tensor((4, 3, 3), torch.float32, 2),
                                                                   mask=None),

@@ -31,11 +31,11 @@ from hypothesis import given, strategies as st
 
 import prunopt
 from prunopt.reference import (REFERENCE_FOR_OP, TensorHyper, fb_coefficient_grads_reference, fb_conv2d_reference,
-                               fb_reconstruct_reference, prunadag_norms_reference, prunadag_step_reference,
-                               project_budget_sort, rgf_relu_backward_reference, rgf_relu_reference,
-                               sparse_gate_backward_reference, sparse_gate_reference, topk_bracket_reference,
-                               topk_threshold_reference, two_temperature_sigmoid_backward_reference,
-                               two_temperature_sigmoid_reference)
+                               fb_reconstruct_reference, prunadag_bracket_reference, prunadag_norms_reference,
+                               prunadag_step_reference, project_budget_sort, rgf_relu_backward_reference,
+                               rgf_relu_reference, sparse_gate_backward_reference, sparse_gate_reference,
+                               topk_bracket_reference, topk_threshold_reference,
+                               two_temperature_sigmoid_backward_reference, two_temperature_sigmoid_reference)
 from prunopt.testing import tolerance
 
 from _fuzz import (assert_clean_error, assert_unchanged, call, call_fake, fuzz_settings, metadata, same_bits,
@@ -333,6 +333,42 @@ def _prunadag_norms(d) -> Case:
             faults.append(Fault("tau not a float", lambda x: _with(x, 3, torch.tensor(0.1, dtype=F64)), ["tau"],
                                 data=True))
     return Case(torch.ops.prunopt.prunadag_norms, args, check, faults)
+
+
+def _prunadag_bracket(d) -> Case:
+    dtype = d.draw(st.sampled_from([F32, F64]), label="dtype")
+    shapes = d.draw(st.lists(st.integers(0, 50), min_size=0, max_size=3), label="sizes")
+    seed = d.draw(SEEDS, label="seed")
+    xs = [tensor((s,), dtype, seed + i) for i, s in enumerate(shapes)]
+    gs = [tensor((s,), dtype, seed + 10 + i, d.draw(st.sampled_from([1e-3, 1.0, 30.0]), label="grad scale"))
+          for i, s in enumerate(shapes)]
+    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=d.draw(st.sampled_from([0.0, 0.01])), eps=1e-8,
+                          maximize=d.draw(st.booleans()), prune=d.draw(st.booleans())) for _ in shapes]
+    lo = d.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]), label="lo")
+    hi = lo + d.draw(st.sampled_from([0.0, 0.5, 2.0, math.inf]), label="width")
+    args = [xs, gs, _hyper(hypers), lo, hi]
+
+    def check(out, after):
+        summary, cand_g, cand_x = prunadag_bracket_reference(xs, gs, hypers, lo, hi)
+        torch.testing.assert_close(out[0], summary, atol=1e-6, rtol=1e-5 if dtype != F64 else 1e-12)
+        assert same_bits(out[1], cand_g) and same_bits(out[2], cand_x)
+
+    faults = [Fault("grads count", lambda x: _with(x, 1, x[1] + [torch.zeros(1, dtype=dtype)]), ["grads"]),
+              Fault("hyper dtype", lambda x: _with(x, 2, x[2].float()), ["hyper"]),
+              Fault("hyper rows", lambda x: _with(x, 2, torch.zeros(len(shapes) + 1, 6, dtype=F64)), ["hyper"]),
+              Fault("negative lo", lambda x: _with(x, 3, -1.0), ["lo"]),
+              Fault("nan lo", lambda x: _with(x, 3, math.nan), ["lo"]),
+              Fault("hi < lo", lambda x: _with(x, 4, x[3] - 0.5), ["hi"])]
+    if shapes:
+        faults += [Fault("grads shape", lambda x: _with(x, (1, 0), torch.zeros(shapes[0] + 1, dtype=dtype)),
+                         ["grads"]),
+                   Fault("grads dtype", lambda x: _with(x, (1, 0), x[1][0].to(F64 if dtype != F64 else F32)),
+                         ["grads"]),
+                   Fault("int params", lambda x: _with(x, (0, 0), _int_like(x[0][0])), ["params"]),
+                   Fault("half params", lambda x: _with(x, 0, [t.half() for t in x[0]]), ["params"])]
+        if dtype == F32:
+            faults.append(Fault("lo not a float", lambda x: _with(x, 3, 0.1), ["lo"]))
+    return Case(torch.ops.prunopt.prunadag_bracket, args, check, faults)
 
 
 # ----------------------------------------------------------- interspace (FB)
@@ -684,6 +720,7 @@ BUILDERS = {
     "topk_bracket": _topk_bracket,
     "prunadag_step_": _prunadag,
     "prunadag_norms": _prunadag_norms,
+    "prunadag_bracket": _prunadag_bracket,
     "fb_reconstruct": _fb_reconstruct,
     "fb_reconstruct_backward": _fb_reconstruct_backward,
     "fb_conv2d": _fb_conv2d,

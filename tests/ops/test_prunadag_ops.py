@@ -288,6 +288,82 @@ def test_norms_matches_reference(sizes, dtype, seed, q, wd, maximize, unpruned_l
 
 
 @needs_ext
+@given(
+    sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    q=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+    wd=st.sampled_from([0.0, 0.1]),
+    maximize=st.booleans(),
+    unpruned_last=st.booleans(),
+    bad=st.sampled_from([None, "nan", "inf"]),
+)
+@example(sizes=[4097, 0, 13], dtype=torch.float32, seed=1, q=(0.2, 0.9), wd=0.1, maximize=True,
+         unpruned_last=True, bad=None)
+def test_prunadag_bracket_matches_reference(sizes, dtype, seed, q, wd, maximize, unpruned_last, bad):
+    """The bracket pass against its float64 reference: the same count and
+    candidates bit for bit (effective gradients and their x, in index order),
+    the norms' sums to float rounding, non-finite values reported (pruned or
+    not), and [lo, inf) keeps everything from lo up."""
+    from prunopt.ops import prunadag_bracket
+    from prunopt.reference.prunadag import prunadag_bracket_reference
+
+    xs, gs, _, _ = _case(sizes, dtype, seed, False)
+    hypers = [TensorHyper(lr=0.5, weight_decay=wd, maximize=maximize,
+                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
+              for i in range(len(sizes))]
+    if bad is not None and gs[-1].numel():
+        gs[-1].view(-1)[0] = float(bad)
+    # (the kernels' effective gradient: weight decay's product rounded before the sum)
+    keys = torch.cat([((-g if maximize else g) + x * wd).abs().reshape(-1) for x, g in zip(xs, gs)])
+    finite = keys[torch.isfinite(keys)]
+    lo, hi = (0.5, 0.5) if finite.numel() == 0 else sorted(float(finite.double().quantile(x).to(dtype)) for x in q)
+    hyper = _hyper_tensor(hypers)
+    summary, cand_g, cand_x = torch.ops.prunopt.prunadag_bracket(xs, gs, hyper, lo, hi)
+    want = prunadag_bracket_reference(xs, gs, hypers, lo, hi)
+    assert summary.dtype == torch.float64 and summary.shape == (4,)
+    assert summary[3].item() == want[0][3].item()
+    if want[0][3].item() == 0:
+        assert summary[0].item() == want[0][0].item()
+        torch.testing.assert_close(summary[1:3], want[0][1:3], rtol=1e-6 if dtype == torch.float32 else 1e-12,
+                                   atol=1e-30)
+        assert cand_g.dtype == dtype and torch.equal(cand_g, want[1]) and torch.equal(cand_x, want[2])
+        s2, g2, _ = prunadag_bracket(xs, gs, hyper, lo, float("inf"))
+        pruned_keys = [k for k, h in zip(keys.split([x.numel() for x in xs]), hypers) if h.prune]
+        assert s2[0].item() == 0 and s2[1].item() == 0
+        assert g2.numel() == sum(int((k >= lo).sum()) for k in pruned_keys)
+    else:
+        assert cand_g.numel() == 0 and cand_x.numel() == 0
+
+
+@needs_ext
+def test_prunadag_bracket_errors_and_opcheck():
+    from prunopt.ops import prunadag_bracket
+
+    xs, gs, _, _ = _case([6, 1, 0, 9], torch.float32, 1, False)
+    hyp = _hyper_tensor([TensorHyper(lr=0.5, weight_decay=0.1 * i) for i in range(len(xs))])
+    torch.library.opcheck(torch.ops.prunopt.prunadag_bracket.default, (xs, gs, hyp, 0.25, 1.5))
+    torch.library.opcheck(torch.ops.prunopt.prunadag_bracket.default, (xs, gs, hyp, 0.0, float("inf")))
+    op = torch.ops.prunopt.prunadag_bracket
+    for args, match in [((xs, gs[:2], hyp, 0.0, 1.0), "grads must have 4 tensors"),
+                        ((xs, gs, hyp.float(), 0.0, 1.0), "hyper must be a float64"),
+                        ((xs, gs, hyp, -1.0, 1.0), "lo must be finite"),
+                        ((xs, gs, hyp, 1.0, 0.5), "hi must be >= lo"),
+                        ((xs, gs, hyp, 0.1, 1.0), "values of the params' dtype"),
+                        (([x.half() for x in xs], [g.half() for g in gs], hyp, 0.0, 1.0), "float32 or float64"),
+                        ((xs, [gs[0].double()] + gs[1:], hyp, 0.0, 1.0), "grads"),
+                        ((xs, [torch.zeros(7)] + gs[1:], hyp, 0.0, 1.0), "shape")]:
+        with pytest.raises(ValueError, match=match):
+            op(*args)
+    with pytest.raises(TypeError, match="lo must be a real number"):
+        prunadag_bracket(xs, gs, hyp, "0", 1.0)
+    with pytest.raises(ValueError, match="beyond the float range"):
+        prunadag_bracket(xs, gs, hyp, 10 ** 400, 1.0)
+    summary, cg, cx = op([], [], torch.zeros(0, 6, dtype=torch.float64), 0.0, 1.0)
+    assert summary.tolist() == [0.0] * 4 and cg.numel() == cx.numel() == 0
+
+
+@needs_ext
 def test_norms_op_errors_and_opchecks():
     xs, gs, _, _ = _case([6, 1, 0, 9], torch.float64, 1, False)
     hyp = _hyper_tensor([TensorHyper(lr=0.5) for _ in xs])
