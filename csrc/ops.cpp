@@ -54,7 +54,9 @@ TORCH_LIBRARY(prunopt, m) {
   // With `selection` (float64 [tau, r] on the params' device: the threshold of
   // eq. 2.6 and the ratio of Table 1, e.g. agreed over several processes) the
   // op takes R = {|g| >= tau} and r as given (`relevant` is not used) and runs
-  // the finiteness check and the element pass only.
+  // the finiteness check and the element pass only; [tau, r, 1] says the
+  // caller checked the gradients finite already (the CPU kernel then runs the
+  // element pass alone).
   m.def("topk_threshold(Tensor[] values, int k) -> Tensor");
   m.def(
       "prunadag_step_(Tensor(a!)[] params, Tensor(b!)[] opt_sums, Tensor(c!)[] dec_sums, Tensor[] grads, "
@@ -73,9 +75,10 @@ TORCH_LIBRARY(prunopt, m) {
   // ge = +-g + weight_decay x of the pruned tensors, bracket [lo, hi] of |ge|):
   // float64 [#{|ge| > hi}, sum ge^2 over |ge| > hi, sum x^2 over |ge| < lo with
   // x ge > 0, 1 if an effective gradient of any tensor is not finite else 0],
-  // and the candidates lo <= |ge| <= hi as their ge and x in index order. The
-  // sharded PrunAdag step selects tau among every rank's candidates and
-  // completes the ratio's norms from them (no second pass over g and x).
+  // and the candidates lo <= |ge| <= hi in index order: their |ge| (dtype) and
+  // x^2 where x ge > 0, else 0 (float64). The sharded PrunAdag step selects
+  // tau among every rank's candidates and completes the ratio's norms from
+  // them (no second pass over g and x).
   m.def("prunadag_bracket(Tensor[] params, Tensor[] grads, Tensor hyper, float lo, float hi) "
       "-> (Tensor, Tensor, Tensor)");
 

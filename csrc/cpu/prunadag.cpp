@@ -1275,13 +1275,17 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   // A given selection [tau, r] (the global threshold and ratio of a scope
   // whose elements are spread over several processes) replaces steps 2 and the
   // ratio's norms: this call only checks finiteness and runs the element pass.
+  // A third element 1 ([tau, r, 1]) says the caller has checked every
+  // gradient finite already (the sharded step agrees on it over the ranks in
+  // its selection): the element pass alone, one read of g less.
   const bool given = selection.has_value() && selection->defined();
   double given_tau = 0.0, given_r = 0.0;
+  bool checked = false;
   if (given) {
     const auto& sel = *selection;
-    TORCH_CHECK_VALUE(sel.scalar_type() == at::kDouble && sel.numel() == 2 && sel.device().is_cpu(), op,
-        ": selection must be a float64 tensor of 2 elements [tau, r] on the CPU, got ", sel.scalar_type(), " ",
-        sel.sizes(), " on ", sel.device());
+    TORCH_CHECK_VALUE(sel.scalar_type() == at::kDouble && (sel.numel() == 2 || sel.numel() == 3) &&
+        sel.device().is_cpu(), op, ": selection must be a float64 tensor of 2 elements [tau, r] (or 3: [tau, r, "
+        "checked]) on the CPU, got ", sel.scalar_type(), " ", sel.sizes(), " on ", sel.device());
     const at::Tensor sc = sel.contiguous();
     given_tau = sc.data_ptr<double>()[0];
     given_r = sc.data_ptr<double>()[1];
@@ -1289,6 +1293,12 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
         ": selection[0] (the threshold tau) must be finite and >= 0, got ", given_tau);
     TORCH_CHECK_VALUE(std::isfinite(given_r) && given_r >= 0.0, op,
         ": selection[1] (the ratio r) must be finite and >= 0, got ", given_r);
+    if (sel.numel() == 3) {
+      const double c = sc.data_ptr<double>()[2];
+      TORCH_CHECK_VALUE(c == 0.0 || c == 1.0, op, ": selection[2] (gradients already checked finite) must be 0 or 1, "
+          "got ", c);
+      checked = c == 1.0;
+    }
   }
   if (nt > 0 && is_reduced_float(params[0].scalar_type())) {
     // float16 / bfloat16: computed in float32, stored in the params' dtype
@@ -1367,7 +1377,9 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
           "value of the params' dtype, got ", given_tau);
       try {
         scalar_t unused;
-        if (any_wd) {
+        if (checked) {
+          // (finiteness known)
+        } else if (any_wd) {
           sampled_select<scalar_t, true, false>(segs, total, n_pruned, 0, op, "grads", unused);
         } else {
           sampled_select<scalar_t, false, false>(segs, total, n_pruned, 0, op, "grads", unused);
@@ -1572,7 +1584,8 @@ at::Tensor prunadag_norms_cpu(at::TensorList params, at::TensorList grads, const
 
 // The bracket pass of the sharded PrunAdag step: the scan of the one-process
 // fused step (counts, the ratio's norms outside [lo, hi], candidates with
-// their x) over this process's part of a scope, reported instead of raised.
+// their share of ||x||_M^2 should they fall below tau) over this process's
+// part of a scope, non-finite values reported instead of raised.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cpu(at::TensorList params, at::TensorList grads,
     const at::Tensor& hyper, double lo, double hi) {
   const char* op = "prunadag_bracket";
@@ -1585,8 +1598,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cpu(at::TensorLi
   TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
   auto summary = at::zeros({4}, hyper.options());
   if (nt == 0) {
-    const auto none = hyper.options().dtype(at::kFloat);  // no params: no dtype to follow
-    return {summary, at::empty({0}, none), at::empty({0}, none)};
+    // no params: no dtype to follow (float32 keys)
+    return {summary, at::empty({0}, hyper.options().dtype(at::kFloat)), at::empty({0}, hyper.options())};
   }
   const auto& p0 = params[0];
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
@@ -1667,13 +1680,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cpu(at::TensorLi
       o[2] = x2;
     }
     cand_g = at::empty({ncand}, p0.options());
-    cand_x = at::empty({ncand}, p0.options());
+    cand_x = at::empty({ncand}, p0.options().dtype(at::kDouble));
     if (ncand > 0) {
       scalar_t* dg = cand_g.data_ptr<scalar_t>();
-      scalar_t* dx = cand_x.data_ptr<scalar_t>();
+      double* dm = cand_x.data_ptr<double>();
       for (const auto& out : outs) {  // in index order
-        dg = std::copy(out.cg.begin(), out.cg.end(), dg);
-        dx = std::copy(out.cx.begin(), out.cx.end(), dx);
+        for (size_t j = 0; j < out.cg.size(); ++j) {
+          const scalar_t g = out.cg[j], x = out.cx[j];
+          *dg++ = std::abs(g);  // (-g for g < 0 left -0.0 a negative zero: its bits are not |ge|'s)
+          *dm++ = x * g > scalar_t(0) ? double(x) * double(x) : 0.0;
+        }
       }
     }
   });

@@ -543,9 +543,12 @@ void prunadag_step_cuda(at::TensorList params, at::TensorList opt_sums, at::Tens
   const bool given = selection.has_value() && selection->defined();
   if (given) {
     const auto& sel = *selection;
-    TORCH_CHECK_VALUE(sel.scalar_type() == at::kDouble && sel.numel() == 2 && sel.device() == p0.device() &&
-        sel.is_contiguous(), "prunadag_step_: selection must be a contiguous float64 tensor of 2 elements [tau, r] on ",
-        p0.device(), ", got ", sel.scalar_type(), " ", sel.sizes(), " on ", sel.device());
+    // (a third element, "gradients already checked finite", is accepted and
+    // not used: the device passes check finiteness without a host read anyway)
+    TORCH_CHECK_VALUE(sel.scalar_type() == at::kDouble && (sel.numel() == 2 || sel.numel() == 3) &&
+        sel.device() == p0.device() && sel.is_contiguous(), "prunadag_step_: selection must be a contiguous float64 "
+        "tensor of 2 elements [tau, r] (or 3: [tau, r, checked]) on ", p0.device(), ", got ", sel.scalar_type(), " ",
+        sel.sizes(), " on ", sel.device());
   }
   float* flag = nullptr;
   if (found_nonfinite.has_value() && found_nonfinite->defined()) {
@@ -787,19 +790,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cuda(at::TensorL
     above.add_(up.sum());
     g2.add_(ge.to(at::kDouble).square().mul_(up).sum());
     x2.add_(x.to(at::kDouble).square().mul_(a.lt(lo).logical_and_(x.mul(ge).gt(0))).sum());
-    cg.push_back(ge.masked_select(in));
-    cx.push_back(x.masked_select(in));
+    cg.push_back(a.masked_select(in));
+    cx.push_back(x.to(at::kDouble).square().mul_(x.mul(ge).gt(0)).masked_select(in));
   }
   auto summary = at::zeros({4}, hyper.options());
   if (!finite.item<bool>()) {
     summary[3] = 1.0;  // reported, not raised: the processes agree on it first
-    return {summary, at::empty({0}, p0.options()), at::empty({0}, p0.options())};
+    return {summary, at::empty({0}, p0.options()), at::empty({0}, hyper.options())};
   }
   summary[0] = above;
   summary[1] = g2;
   summary[2] = x2;
   if (cg.empty()) {
-    return {summary, at::empty({0}, p0.options()), at::empty({0}, p0.options())};
+    return {summary, at::empty({0}, p0.options()), at::empty({0}, hyper.options())};
   }
   return {summary, at::cat(cg), at::cat(cx)};
 }

@@ -159,4 +159,56 @@ def run(quick: bool, threads: int, out) -> str:
              "only (8 streams to version 3's 9; Adagrad makes 5). Targets: fused step <= 2.0x fused Adagrad; threshold <= 1.25x fused Adagrad and >= 30x "
              "faster than torch.kthvalue; fused >= 100x faster than the single-tensor path. "
              "Rerun: `PYTHONPATH=. python -m bench.run --only prunadag`.")
-    return write_results("prunadag", rows, environment(threads), notes, out)
+    md = write_results("prunadag", rows, environment(threads), notes, out)
+    return md + "\n" + _bracket_pass(quick, threads, out)
+
+
+def _bracket_pass(quick: bool, threads: int, out) -> str:
+    """The local work of a sharded PrunAdag step once the bracket is known:
+    the fused ``prunadag_bracket`` (one read of g and x: count, the norms
+    outside the bracket, candidates with their x) against the two passes it
+    replaces (``topk_bracket`` over |g|, then ``prunadag_norms`` for the
+    selected tau, which reads g and x twice: its finiteness check and the
+    norms). Verified first: the same candidates, and the norms completed from
+    the candidates equal prunadag_norms' within float rounding."""
+    import prunopt.distributed as D
+    from prunopt.ops import prunadag_bracket, prunadag_norms, topk_bracket
+    from prunopt.reference.prunadag import TensorHyper
+
+    torch.set_num_threads(threads)
+    total = 1_000_000 if quick else 10_000_000
+    min_t = 0.3 if quick else 1.0
+    rows = []
+    for layout, count in (("1 tensor", 1), ("50 tensors", 50)):
+        ps = _setup(_sizes(total, count))
+        xs, gs = [p.detach() for p in ps], [p.grad for p in ps]
+        hyper = torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0]] * len(ps), dtype=torch.float64)
+        T = max(1, int(0.1 * total))
+        # the bracket a rank of 2 takes for its share (here the whole set: one "rank")
+        lo, hi = D._sample_bracket([g.reshape(-1) for g in gs], T, total)
+        above, cands = topk_bracket(gs, lo, hi)
+        summary, keys, m = prunadag_bracket(xs, gs, hyper, lo, hi)
+        if int(summary[0]) != int(above) or not torch.equal(keys, cands):
+            raise AssertionError("prunadag_bracket and topk_bracket disagree")
+        tau = torch.topk(cands, T - int(above)).values[-1]
+        rel = keys >= tau
+        g_r2 = float(summary[1]) + float((keys.double() ** 2)[rel].sum())
+        x_m2 = float(summary[2]) + float(m[~rel].sum())
+        want = prunadag_norms(xs, gs, hyper, tau.double().reshape(1))
+        if abs(g_r2 - float(want[0])) > 1e-6 * float(want[0]) or abs(x_m2 - float(want[1])) > 1e-6 * float(want[1]):
+            raise AssertionError("the norms completed from the bracket pass differ from prunadag_norms")
+        t64 = tau.double().reshape(1)
+        times = interleaved_times({
+            "prunadag_bracket (one pass over g, x)": lambda: prunadag_bracket(xs, gs, hyper, lo, hi),
+            "topk_bracket + prunadag_norms (3 passes)": lambda: (topk_bracket(gs, lo, hi),
+                                                                 prunadag_norms(xs, gs, hyper, t64)),
+        }, 3 * min_t, threads)
+        base = times["topk_bracket + prunadag_norms (3 passes)"]
+        for name, t in times.items():
+            rows.append({"layout": layout, "contender": name, "median_ms": 1e3 * t, "vs_two_ops": t / base,
+                         "candidates": keys.numel()})
+    notes = (f"float32, N = {total:,} elements, the bracket of the top 10 % from the sample the sharded "
+             f"threshold takes, {threads} threads, 5 alternating rounds. The fused pass is what each rank runs in "
+             "a sharded PrunAdag step (then only the candidates enter the radix passes, whose collectives also "
+             "carry the norms); the pair is what it replaces. Rerun: `prunopt bench --only prunadag --out DIR`.")
+    return write_results("prunadag_bracket", rows, environment(threads), notes, out)

@@ -328,9 +328,9 @@ def check_prunadag_step(params, opt_sums, dec_sums, grads, hyper, version, found
                            if isinstance(lst, (list, tuple)) for i, t in enumerate(lst)], op)
     if selection is not None:
         _tensor(selection, "selection", op)
-        if selection.dtype != torch.float64 or selection.numel() != 2:
-            raise ValueError(f"{op}: selection must be a float64 tensor of 2 elements [tau, r], got "
-                             f"{selection.dtype} of shape {list(selection.shape)}")
+        if selection.dtype != torch.float64 or selection.numel() not in (2, 3):
+            raise ValueError(f"{op}: selection must be a float64 tensor of 2 elements [tau, r] (or 3: [tau, r, "
+                             f"checked]), got {selection.dtype} of shape {list(selection.shape)}")
     if found_nonfinite is not None:
         _tensor(found_nonfinite, "found_nonfinite", op)
         if found_nonfinite.dtype != torch.float32 or found_nonfinite.numel() != 1:

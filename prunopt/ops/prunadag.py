@@ -169,17 +169,19 @@ def prunadag_bracket(params: List[Tensor], grads: List[Tensor], hyper: Tensor, l
     norms (Table 1) without reading them again.
 
     With the effective gradients ``ge`` of the pruned tensors it returns
-    ``(summary, cand_g, cand_x)``: ``summary`` float64
+    ``(summary, keys, m)``: ``summary`` float64
     ``[a, G, X, bad]`` with ``a`` the number of :math:`|ge| > hi`,
     :math:`G = \sum_{|ge| > hi} ge^2`, :math:`X = \sum x^2` over
     :math:`|ge| < lo,\ x\,ge > 0`, ``bad = 1`` if an effective gradient of
     any tensor (pruned or not) is not finite (reported, not raised: then
-    ``a = G = X = 0`` and no candidates); ``cand_g`` and ``cand_x`` the ``ge``
-    and ``x`` of the candidates :math:`lo \le |ge| \le hi` in index order.
-    For ``tau`` in ``[lo, hi]``: :math:`\|g\|_R^2 = G + \sum_{|c| \ge \tau} c^2`,
-    :math:`\|x\|_M^2 = X + \sum_{|c| < \tau,\ x_c c > 0} x_c^2`. ``G`` is
-    summed in short float blocks and ``X`` leaves squares below ``2^-120``
-    (float32; ``2^-1000`` float64) out, as the one-process fused step does.
+    ``a = G = X = 0`` and no candidates); ``keys`` the :math:`|ge|` of the
+    candidates :math:`lo \le |ge| \le hi` in index order (the params'
+    dtype) and ``m`` their :math:`x^2` where :math:`x\,ge > 0`, else 0
+    (float64). For ``tau`` in ``[lo, hi]``:
+    :math:`\|g\|_R^2 = G + \sum_{c \ge \tau} c^2`,
+    :math:`\|x\|_M^2 = X + \sum_{c < \tau} m_c`. ``G`` is summed in short
+    float blocks and ``X`` leaves squares below ``2^-120`` (float32;
+    ``2^-1000`` float64) out, as the one-process fused step does.
 
     Args:
         params, grads: lists of one dtype (float32 or float64) and device,
@@ -189,7 +191,7 @@ def prunadag_bracket(params: List[Tensor], grads: List[Tensor], hyper: Tensor, l
         lo, hi: ``0 <= lo <= hi`` (``hi`` may be ``inf``), values of the dtype.
 
     Returns:
-        ``(summary, cand_g, cand_x)`` on the params' device.
+        ``(summary, keys, m)`` on the params' device.
     """
     from prunopt.reference.prunadag import TensorHyper, prunadag_bracket_reference
 
@@ -245,7 +247,7 @@ if extension_available():
         _fc.check_prunadag_bracket(params, grads, hyper, lo, hi)
         n = torch.library.get_ctx().new_dynamic_size()
         like = params[0] if params else hyper.new_empty(0, dtype=torch.float32)
-        return hyper.new_empty(4), like.new_empty(n), like.new_empty(n)
+        return hyper.new_empty(4), like.new_empty(n), hyper.new_empty(n)
 
     @torch.library.register_fake("prunopt::topk_threshold")
     def _topk_threshold_fake(values, k):

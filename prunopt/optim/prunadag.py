@@ -373,10 +373,15 @@ def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None,
         return
     sel = None
     if selection is not None:
-        tau, ratio = selection
+        # (tau, r) or (tau, r, checked): checked = every gradient of the scope is
+        # known to be finite (the kernel then skips its own check)
+        tau, ratio = selection[:2]
         dev = s.params[0].device
         tau = torch.zeros((), dtype=torch.float64, device=dev) if tau is None else tau.to(dev, torch.float64)
-        sel = torch.stack([tau.reshape(()), ratio.to(dev, torch.float64).reshape(())])
+        parts = [tau.reshape(()), ratio.to(dev, torch.float64).reshape(())]
+        if len(selection) > 2 and selection[2]:
+            parts.append(torch.ones((), dtype=torch.float64, device=dev))
+        sel = torch.stack(parts)
         if dev.type != "cuda":
             sel = sel.cpu()
     torch.ops.prunopt.prunadag_step_(
@@ -542,12 +547,12 @@ def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
     n_r = sum(loc.params[i].numel() for i in pruned)
 
     def bracket(share: int):
+        # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
         gs = D._sample_parts([loc.grads[i].detach().reshape(-1) for i in pruned], n_r)
-        xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r)
-        parts = []
-        for i, g, x in zip(pruned, gs, xs):
-            ge = -g if rows[i][4] else g
-            parts.append((ge + x * rows[i][2]) if rows[i][2] != 0.0 else ge)
+        wd = [i for i in pruned if rows[i][2] != 0.0]
+        xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r) if wd else gs
+        parts = [(-g if rows[i][4] else g) + x * rows[i][2] if rows[i][2] != 0.0 else g
+                 for i, g, x in zip(pruned, gs, xs)]
         return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r)
 
     lo_r, hi_r = D._share_bracket(T, plan.world, n_r, bracket)
@@ -555,12 +560,10 @@ def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
     if math.isinf(hi):
         return None
     with torch.no_grad():
-        summary, cg, cx = prunadag_bracket(loc.params, loc.grads, hyper, lo, hi)
+        summary, keys, m = prunadag_bracket(loc.params, loc.grads, hyper, lo, hi)
         a, G, X, bad = summary.tolist()
-        keys = cg.abs()
-        w_ge = keys.double().square()
-        w_lt = torch.where(cx * cg > 0, cx.double().square(), 0.0)
-    got = D._select_in_bracket(keys, plan.groups, T, int(a), bad != 0.0, lo, hi, True, weights=(w_ge, w_lt),
+        c2 = keys.double().square()
+    got = D._select_in_bracket(keys, plan.groups, T, int(a), bad != 0.0, lo, hi, True, weights=(c2, m),
                                extra=(G, X))
     if got is None:
         return _NONFINITE
@@ -638,8 +641,8 @@ def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: 
               for g_r, x_m in norms]
     # 3) the element pass on the local shards
     for loc, T, tau, r in zip(locs, targets, taus, ratios):
-        if impl == "fused":
-            _fused_scope(loc, T, found_nonfinite, (tau, r))
+        if impl == "fused":  # (every gradient was checked finite on every rank above)
+            _fused_scope(loc, T, found_nonfinite, (tau, r, True))
         elif impl == "foreach":
             _foreach_scope(loc, T, None, (tau, r))
         else:

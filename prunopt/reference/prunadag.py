@@ -118,25 +118,26 @@ def prunadag_bracket_reference(params: List[Tensor], grads: List[Tensor], hypers
                                lo: float, hi: float) -> Tuple[Tensor, Tensor, Tensor]:
     r"""prunAdag's bracket pass over one process's part of a scope (the oracle
     of the ``prunadag_bracket`` op). With the effective gradients ``ge``
-    (:func:`effective_grad`) of the pruned tensors and a bracket
-    ``[lo, hi]`` of ``|ge|``:
+    (:func:`effective_grad`, ``weight_decay * x`` rounded before the sum) of
+    the pruned tensors and a bracket ``[lo, hi]`` of ``|ge|``:
 
     * ``summary``, float64 ``[a, G, X, bad]``: ``a`` the number of
       :math:`|ge| > hi`, :math:`G = \sum_{|ge| > hi} ge^2`,
       :math:`X = \sum x^2` over :math:`|ge| < lo` with :math:`x\,ge > 0`,
       and ``bad = 1`` if an effective gradient of any tensor (pruned or not)
       is not finite (then ``a = G = X = 0`` and no candidates);
-    * the candidates :math:`lo \le |ge| \le hi`: their ``ge`` and their ``x``,
-      in index order over the concatenation.
+    * the candidates :math:`lo \le |ge| \le hi` in index order over the
+      concatenation: their ``|ge|`` (the params' dtype) and ``m = x^2`` where
+      :math:`x\,ge > 0`, else 0 (float64).
 
     For any threshold ``tau`` in ``[lo, hi]``, Table 1's squared norms are
-    :math:`\|g\|_R^2 = G + \sum_{|c| \ge \tau} c^2` and
-    :math:`\|x\|_M^2 = X + \sum_{|c| < \tau,\, x_c c > 0} x_c^2` over the
-    candidates ``c`` (sums in float64; the compiled kernel sums ``G`` in short
-    float blocks and leaves squares below ``2^-120`` (float32) out of ``X``)."""
+    :math:`\|g\|_R^2 = G + \sum_{c \ge \tau} c^2` and
+    :math:`\|x\|_M^2 = X + \sum_{c < \tau} m_c` over the candidates ``c``
+    (sums in float64; the compiled kernel sums ``G`` in short float blocks and
+    leaves squares below ``2^-120`` (float32) out of ``X``)."""
     g_above = x_below = 0.0
     above, bad = 0, False
-    cg, cx = [], []
+    keys, ms = [], []
     dtype = params[0].dtype if params else torch.float32
     with torch.no_grad():
         for x, g, hp in zip(params, grads, hypers):
@@ -155,15 +156,15 @@ def prunadag_bracket_reference(params: List[Tensor], grads: List[Tensor], hypers
             g_above += float((ge.double().pow(2) * up).sum())
             x_below += float((xf.double().pow(2) * ((a < lo) & (xf * ge > 0))).sum())
             inside = (a >= lo) & (a <= hi)
-            cg.append(ge[inside])
-            cx.append(xf[inside])
-    empty = torch.empty(0, dtype=dtype)
+            keys.append(a[inside])
+            ms.append((xf.double().pow(2) * (xf * ge > 0))[inside])
+    none = (torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.float64))
     if bad:
-        return torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64), empty, empty.clone()
+        return (torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64),) + none
     summary = torch.tensor([float(above), g_above, x_below, 0.0], dtype=torch.float64)
-    if not cg:
-        return summary, empty, empty.clone()
-    return summary, torch.cat(cg), torch.cat(cx)
+    if not keys:
+        return (summary,) + none
+    return summary, torch.cat(keys), torch.cat(ms)
 
 
 _SQRT_IS_IEEE: dict = {}

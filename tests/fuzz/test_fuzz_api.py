@@ -112,9 +112,9 @@ def _check_bracket(out, kw):
 def _check_prunadag_bracket(out, kw):
     hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5]))
               for r in kw["hyper"].tolist()]
-    summary, cand_g, cand_x = prunadag_bracket_reference(kw["params"], kw["grads"], hypers, kw["lo"], kw["hi"])
+    summary, keys, m = prunadag_bracket_reference(kw["params"], kw["grads"], hypers, kw["lo"], kw["hi"])
     torch.testing.assert_close(out[0], summary, atol=1e-6, rtol=1e-6)
-    assert torch.equal(out[1], cand_g) and torch.equal(out[2], cand_x)
+    assert torch.equal(out[1], keys) and torch.equal(out[2], m)
 
 
 def _check_norms(out, kw):

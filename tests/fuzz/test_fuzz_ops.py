@@ -266,7 +266,9 @@ def _prunadag(d) -> Case:
                                                     torch.ones(1, dtype=dtype).expand(shapes[-1])), ["dec_sums"]),
         Fault("param as its own accumulator", lambda x: _with(x, (1, 0), x[0][0]), ["params", "opt_sums"]),
         Fault("nan grad", lambda x: _with(x, (3, 0), _spoil(x[3][0], math.nan)), ["grad"], data=True),
-        Fault("selection shape", lambda x: x + [None, torch.zeros(3, dtype=F64)], ["selection"]),
+        Fault("selection shape", lambda x: x + [None, torch.zeros(4, dtype=F64)], ["selection"]),
+        Fault("selection checked flag", lambda x: x + [None, torch.tensor([0.0, 0.0, 0.5], dtype=F64)],
+              ["selection"], data=True),
         Fault("nan selection", lambda x: x + [None, torch.tensor([math.nan, 0.0], dtype=F64)], ["selection"],
               data=True),
         Fault("found_nonfinite dtype", lambda x: x + [torch.zeros(1, dtype=F64)], ["found_nonfinite"]),
@@ -349,9 +351,9 @@ def _prunadag_bracket(d) -> Case:
     args = [xs, gs, _hyper(hypers), lo, hi]
 
     def check(out, after):
-        summary, cand_g, cand_x = prunadag_bracket_reference(xs, gs, hypers, lo, hi)
+        summary, keys, m = prunadag_bracket_reference(xs, gs, hypers, lo, hi)
         torch.testing.assert_close(out[0], summary, atol=1e-6, rtol=1e-5 if dtype != F64 else 1e-12)
-        assert same_bits(out[1], cand_g) and same_bits(out[2], cand_x)
+        assert same_bits(out[1], keys) and same_bits(out[2], m)
 
     faults = [Fault("grads count", lambda x: _with(x, 1, x[1] + [torch.zeros(1, dtype=dtype)]), ["grads"]),
               Fault("hyper dtype", lambda x: _with(x, 2, x[2].float()), ["hyper"]),

@@ -302,7 +302,7 @@ def test_norms_matches_reference(sizes, dtype, seed, q, wd, maximize, unpruned_l
          unpruned_last=True, bad=None)
 def test_prunadag_bracket_matches_reference(sizes, dtype, seed, q, wd, maximize, unpruned_last, bad):
     """The bracket pass against its float64 reference: the same count and
-    candidates bit for bit (effective gradients and their x, in index order),
+    candidates bit for bit (|ge| and the sign-matched x^2, in index order),
     the norms' sums to float rounding, non-finite values reported (pruned or
     not), and [lo, inf) keeps everything from lo up."""
     from prunopt.ops import prunadag_bracket
@@ -319,7 +319,7 @@ def test_prunadag_bracket_matches_reference(sizes, dtype, seed, q, wd, maximize,
     finite = keys[torch.isfinite(keys)]
     lo, hi = (0.5, 0.5) if finite.numel() == 0 else sorted(float(finite.double().quantile(x).to(dtype)) for x in q)
     hyper = _hyper_tensor(hypers)
-    summary, cand_g, cand_x = torch.ops.prunopt.prunadag_bracket(xs, gs, hyper, lo, hi)
+    summary, keys_in, m = torch.ops.prunopt.prunadag_bracket(xs, gs, hyper, lo, hi)
     want = prunadag_bracket_reference(xs, gs, hypers, lo, hi)
     assert summary.dtype == torch.float64 and summary.shape == (4,)
     assert summary[3].item() == want[0][3].item()
@@ -327,13 +327,14 @@ def test_prunadag_bracket_matches_reference(sizes, dtype, seed, q, wd, maximize,
         assert summary[0].item() == want[0][0].item()
         torch.testing.assert_close(summary[1:3], want[0][1:3], rtol=1e-6 if dtype == torch.float32 else 1e-12,
                                    atol=1e-30)
-        assert cand_g.dtype == dtype and torch.equal(cand_g, want[1]) and torch.equal(cand_x, want[2])
+        assert keys_in.dtype == dtype and torch.equal(keys_in, want[1])
+        assert m.dtype == torch.float64 and torch.equal(m, want[2])
         s2, g2, _ = prunadag_bracket(xs, gs, hyper, lo, float("inf"))
         pruned_keys = [k for k, h in zip(keys.split([x.numel() for x in xs]), hypers) if h.prune]
         assert s2[0].item() == 0 and s2[1].item() == 0
         assert g2.numel() == sum(int((k >= lo).sum()) for k in pruned_keys)
     else:
-        assert cand_g.numel() == 0 and cand_x.numel() == 0
+        assert keys_in.numel() == 0 and m.numel() == 0
 
 
 @needs_ext
@@ -359,8 +360,8 @@ def test_prunadag_bracket_errors_and_opcheck():
         prunadag_bracket(xs, gs, hyp, "0", 1.0)
     with pytest.raises(ValueError, match="beyond the float range"):
         prunadag_bracket(xs, gs, hyp, 10 ** 400, 1.0)
-    summary, cg, cx = op([], [], torch.zeros(0, 6, dtype=torch.float64), 0.0, 1.0)
-    assert summary.tolist() == [0.0] * 4 and cg.numel() == cx.numel() == 0
+    summary, keys, m = op([], [], torch.zeros(0, 6, dtype=torch.float64), 0.0, 1.0)
+    assert summary.tolist() == [0.0] * 4 and keys.numel() == m.numel() == 0 and m.dtype == torch.float64
 
 
 @needs_ext

@@ -77,7 +77,8 @@ def _op_args(n=6):
 
 @pytest.mark.parametrize("selection, match", [
     (torch.tensor([0.5, 1.0]), "float64 tensor of 2 elements"),
-    (torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64), "float64 tensor of 2 elements"),
+    (torch.tensor([0.5, 1.0, 2.0, 0.0], dtype=torch.float64), "float64 tensor of 2 elements"),
+    (torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64), r"selection\[2\]"),
     (torch.tensor([-0.5, 1.0], dtype=torch.float64), r"selection\[0\]"),
     (torch.tensor([float("nan"), 1.0], dtype=torch.float64), r"selection\[0\]"),
     (torch.tensor([0.5, float("inf")], dtype=torch.float64), r"selection\[1\]"),
@@ -89,6 +90,19 @@ def test_op_selection_is_checked_before_writing(selection, match):
     with pytest.raises(ValueError, match=match):
         torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyper, 2, 3, None, selection)
     assert all(torch.equal(a, b) for a, b in zip(xs + so + sd, before))
+
+
+@pytest.mark.parametrize("checked", [0.0, 1.0])
+def test_op_selection_with_gradients_checked_is_the_same_step(checked):
+    """[tau, r, 1] (the caller checked the gradients finite: the kernel skips
+    its own pass) and [tau, r, 0] give the step of [tau, r], bit for bit."""
+    out = []
+    for sel in ([0.5, 1.25], [0.5, 1.25, checked]):
+        torch.manual_seed(4)
+        xs, so, sd, gs, hyper = _op_args(300)
+        torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyper, 2, 3, None, torch.tensor(sel, dtype=torch.float64))
+        out.append([t.clone() for t in xs + so + sd])
+    assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
 def test_op_selection_float_threshold_must_be_a_float_value():
