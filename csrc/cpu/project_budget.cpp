@@ -170,6 +170,12 @@ inline void reduce_one(const scalar_t* tp, const scalar_t* cp, int64_t i, double
 // kernels of the capability this CPU runs now, or nullptr for the scalar
 // loops (the DEFAULT capability: CPUs without AVX2, ATEN_CPU_CAPABILITY=default,
 // PRUNOPT_NO_SIMD=1). Reads the environment: once per pass.
+// The DEFAULT capability keeps the scalar loops on purpose: the same kernels
+// compiled for CPU_CAPABILITY=DEFAULT (Vectorized's arrays, lane-by-lane
+// helpers for the widening, movemask and the left-packing store) took
+// 1.9-2.2x their time (float32, unit costs, 64K-8M elements and the histogram
+// solver, 1 thread, both builds under ATEN_CPU_CAPABILITY=default;
+// bench/compare_builds.py --ops projection, bench/results/simd_aten.md).
 const projection_cpu::Kernels* vec_kernels() {
 #if PRUNOPT_VEC_X86
   switch (vec::cpu_capability()) {
