@@ -79,7 +79,47 @@ def _prunadag_cases(torch, dtype):
                    p, o, d, g, h, n // 10, v))
 
 
-CASES = {"gates": _gate_cases, "prunadag": _prunadag_cases}
+def _projection_cases(torch, dtype):
+    ops = torch.ops.prunopt
+    gen = torch.Generator().manual_seed(0)
+    dn = str(dtype).replace("torch.", "")
+    # unit costs (float32 takes the vectorised passes; float64 the scalar loops
+    # on every capability: a same-code control); 64K in L2, 1M, 8M beyond the
+    # caches (the output pass streams); the histogram solver (the fallback when
+    # the sample misleads; forced by PRUNOPT_PROJECTION_SOLVER, read per call)
+    for n in (1 << 16, 1 << 20, 1 << 23):
+        t = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+        yield f"project_budget {dn} n={n}", lambda t=t, n=n: ops.project_budget([t], None, n / 10)
+    t = torch.randn(1 << 20, generator=gen, dtype=torch.float64).to(dtype)
+
+    def histogram(t=t):
+        os.environ["PRUNOPT_PROJECTION_SOLVER"] = "histogram"
+        try:
+            return ops.project_budget([t], None, t.numel() / 10)
+        finally:
+            del os.environ["PRUNOPT_PROJECTION_SOLVER"]
+    yield f"project_budget histogram {dn} n={1 << 20}", histogram
+
+
+def _fb_reconstruct_cases(torch, dtype):
+    ops = torch.ops.prunopt
+    gen = torch.Generator().manual_seed(0)
+    dn = str(dtype).replace("torch.", "")
+    # (C_out, C_in, N, kh, kw): the 3x3 basis of a 256-channel layer (float: its
+    # own AVX2 / AVX-512VL loops), and a 5x5 one with N = 12 (the generic rows)
+    for co, ci, nb, kh, kw in ((256, 256, 9, 3, 3), (128, 128, 12, 5, 5)):
+        lam = torch.randn(co, ci, nb, generator=gen, dtype=torch.float64).to(dtype)
+        basis = torch.randn(nb, kh, kw, generator=gen, dtype=torch.float64).to(dtype)
+        mu = (torch.rand(co, ci, nb, generator=gen) < 0.5).to(dtype)
+        gh = torch.randn(co, ci, kh, kw, generator=gen, dtype=torch.float64).to(dtype)
+        shape = f"{co}x{ci}x{nb} {kh}x{kw}"
+        yield f"fb_reconstruct fwd {dn} {shape}", lambda l=lam, b=basis, m=mu: ops.fb_reconstruct(l, b, m)
+        yield (f"fb_reconstruct bwd {dn} {shape}",
+               lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
+
+
+CASES = {"gates": _gate_cases, "prunadag": _prunadag_cases, "projection": _projection_cases,
+         "fb_reconstruct": _fb_reconstruct_cases}
 
 
 def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, only: str = "") -> None:

@@ -50,13 +50,19 @@ def avx512_cpu() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
-def simd_clones(monkeypatch):
+def simd_clones(monkeypatch, default: bool = False):
     """Yields ``"avx512"`` and then ``"avx2"``, with ``PRUNOPT_NO_AVX512`` unset
     and then set through pytest's ``monkeypatch``: the CPU kernels that have an
-    AVX-512 clone run it, then their AVX2 loops (the tests compare the two)."""
-    for isa in ("avx512", "avx2"):
+    AVX-512 clone run it, then their AVX2 loops (the tests compare the two).
+    With ``default=True`` it then yields ``"default"`` with ``PRUNOPT_NO_SIMD=1``
+    set: the kernels dispatched through ``prunopt/vec_capability.h`` run their
+    DEFAULT capability (what a CPU without AVX2 runs)."""
+    monkeypatch.delenv("PRUNOPT_NO_SIMD", raising=False)
+    for isa in ("avx512", "avx2") + (("default",) if default else ()):
         if isa == "avx2":
             monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
+        elif isa == "default":
+            monkeypatch.setenv("PRUNOPT_NO_SIMD", "1")
         else:
             monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
         yield isa

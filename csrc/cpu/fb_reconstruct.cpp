@@ -10,9 +10,9 @@
 // memory bandwidth in training (the rows are short: N, K <= 32 floats), so the
 // work per row must stay at a few vector instructions:
 //
-// * A row is held in C vectors of V lanes (V = 32 bytes / sizeof(scalar), C =
+// * A row is held in C vectors of V lanes (V = Vectorized<scalar>::size(), C =
 //   ceil(max(N, K) / V)); the basis is kept padded with zeros to C*V lanes, so
-//   h[m, :] = sum_n c[n] * g[n, :] is N broadcast-FMAs per vector and
+//   h[m, :] = sum_n c[n] * g[n, :] is N broadcast multiply-adds per vector and
 //   dlam[m, :] = sum_k dh[m, k] * g^T[k, :] is K. Rows are read and written C*V
 //   wide: a row's surplus lanes read the start of the next row (finite data
 //   that only reaches discarded lanes) and are overwritten when the next row is
@@ -23,14 +23,17 @@
 //   kBlockRows rows (short float blocks), each block added in double to the
 //   chunk's double accumulator; chunks are summed in double in order.
 // * Per-row sums (N or K terms) are in the input dtype, as conv2d's. Half and
-//   BFloat16, and rows longer than 4 vectors, take a scalar loop with float /
-//   double sums.
+//   BFloat16, and rows longer than 128 bytes (32 floats, 16 doubles), take a
+//   scalar loop with float / double sums.
 //
-// The vector loops are compiled twice, for the baseline ISA of the build and
-// for AVX2+FMA, and picked at run time (the extension is built for x86-64).
-// The 3x3 basis in float (every 3x3 FB layer in training) has its own AVX2
-// loops with the basis held in registers (see forward_3x3_body), compiled a
-// second time with AVX-512VL's 32 registers on CPUs that have them.
+// The vector loops are ATen's at::vec::Vectorized, compiled per CPU
+// capability (fb_reconstruct_kernels.inc in fb_reconstruct_default.cpp,
+// _avx2.cpp, _avx512.cpp; prunopt/fb_reconstruct_cpu.h) and picked at run time
+// with prunopt/vec_capability.h. The 3x3 basis in float (every 3x3 FB layer
+// in training) has its own hand-written AVX2 loops with the basis held in
+// registers (see forward_3x3_body), compiled a second time with AVX-512VL's
+// 32 registers on CPUs that have them: a row of 9 is one 8-lane vector and one
+// lane, a layout with no Vectorized form at 16 lanes.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -45,6 +48,8 @@
 #include <vector>
 
 #include "prunopt/fb_checks.h"
+#include "prunopt/fb_reconstruct_cpu.h"
+#include "prunopt/vec_capability.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -54,147 +59,41 @@ namespace prunopt {
 namespace cpu {
 namespace {
 
+using fb_rows::BackwardArgs;
+using fb_rows::Dims;
+using fb_rows::kBlockRows;
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #define PRUNOPT_X86_DISPATCH 1
+// The 3x3 float loops: AVX2 from the AVX2 capability on, their AVX-512VL
+// clone on the AVX512 one (prunopt/vec_capability.h: torch's capability capped
+// by the CPU; PRUNOPT_NO_AVX512 and PRUNOPT_NO_SIMD read per call, so that
+// tests can compare the clones).
 inline bool use_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
+  return vec::cpu_capability() != vec::Capability::kDefault;
 }
-// the 3x3 clones with AVX-512VL registers, unless PRUNOPT_NO_AVX512 is set
-// (read per call, as in fb_conv2d.cpp, so that tests can compare the clones)
 inline bool use_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && use_avx2();
-  return ok && std::getenv("PRUNOPT_NO_AVX512") == nullptr;
+  return vec::cpu_capability() == vec::Capability::kAvx512;
 }
 #endif
 
-constexpr int kMaxVecs = 4;          // rows of up to 4 vectors (32 floats, 16 doubles) take the vector path
-constexpr int64_t kBlockRows = 32;   // rows per short block of the dg reduction
+// The generic row kernels of the capability this CPU runs now (fb_reconstruct_kernels.inc).
+inline const fb_rows::Rows* rows_kernels() {
+#if defined(PRUNOPT_X86_DISPATCH)
+  switch (vec::cpu_capability()) {
+    case vec::Capability::kAvx512:
+      return fb_rows::AVX512::rows();
+    case vec::Capability::kAvx2:
+      return fb_rows::AVX2::rows();
+    default:
+      break;
+  }
+#endif
+  return fb_rows::DEFAULT::rows();
+}
 
 template <typename scalar_t>
 constexpr bool kVectorised = std::is_same<scalar_t, float>::value || std::is_same<scalar_t, double>::value;
-
-template <typename scalar_t>
-constexpr int kLanes = 32 / static_cast<int>(sizeof(scalar_t));
-
-// The problem: rows x N coefficients, N x K basis, rows x K filters.
-struct Dims {
-  int64_t rows, n, k;
-};
-
-// Rows [r0, r1) of one thread chunk split into the rows whose C*V-wide reads
-// and writes stay inside the chunk ([r0, fast_end)) and the rest.
-inline int64_t fast_end(int64_t r0, int64_t r1, int64_t width, int64_t len_a, int64_t len_b) {
-  // a row of length len written `width` wide spills into the next ceil((width - len) / len) rows
-  auto ahead = [&](int64_t len) __attribute__((always_inline)) { return len >= width ? 0 : (width - len + len - 1) / len; };
-  return std::max(r0, r1 - std::max(ahead(len_a), ahead(len_b)));
-}
-
-// ---- forward: h = (lam * mu) g -------------------------------------------------------------------
-
-template <typename scalar_t, int C, int NN>
-__attribute__((always_inline)) inline void forward_rows(const scalar_t* lam, const scalar_t* mu, const scalar_t* gpad,
-    const Dims& d, scalar_t* h, int64_t r0, int64_t r1) {
-  constexpr int V = kLanes<scalar_t>;
-  typedef scalar_t Vec __attribute__((vector_size(32), aligned(sizeof(scalar_t)), __may_alias__));
-  const int64_t n = NN > 0 ? NN : d.n, k = d.k;
-  const Vec* g = reinterpret_cast<const Vec*>(gpad);  // n x C vectors
-  auto row = [&](const scalar_t* lr, const scalar_t* mr, scalar_t* hr) __attribute__((always_inline)) {
-    Vec acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = Vec{};
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t cj = mr ? lr[j] * mr[j] : lr[j];
-      for (int c = 0; c < C; ++c) acc[c] += cj * g[j * C + c];
-    }
-    Vec* out = reinterpret_cast<Vec*>(hr);
-    for (int c = 0; c < C; ++c) out[c] = acc[c];
-  };
-  const int64_t fe = fast_end(r0, r1, C * V, n, k);
-  for (int64_t r = r0; r < fe; ++r) row(lam + r * n, mu ? mu + r * n : nullptr, h + r * k);
-  alignas(32) scalar_t lbuf[C * V], mbuf[C * V], hbuf[C * V];
-  for (int64_t r = fe; r < r1; ++r) {
-    std::copy(lam + r * n, lam + (r + 1) * n, lbuf);
-    if (mu) std::copy(mu + r * n, mu + (r + 1) * n, mbuf);
-    row(lbuf, mu ? mbuf : nullptr, hbuf);
-    std::copy(hbuf, hbuf + k, h + r * k);
-  }
-}
-
-// ---- backward: dlam = (dh g^T) * mu, dg = (lam * mu)^T dh --------------------------------------
-
-template <typename scalar_t>
-struct BackwardArgs {
-  const scalar_t* dh;
-  const scalar_t* lam;
-  const scalar_t* mu;
-  const scalar_t* gtpad;  // k x C vectors: g^T padded (dlam)
-  Dims d;
-  scalar_t* dlam;         // nullptr: not needed
-  double* dg;             // n x k, nullptr: not needed (added to)
-};
-
-template <typename scalar_t, int C, int NN>
-__attribute__((always_inline)) inline void backward_rows(const BackwardArgs<scalar_t>& A, int64_t r0, int64_t r1) {
-  constexpr int V = kLanes<scalar_t>;
-  typedef scalar_t Vec __attribute__((vector_size(32), aligned(sizeof(scalar_t)), __may_alias__));
-  const int64_t n = NN > 0 ? NN : A.d.n, k = A.d.k;
-  const Vec* gt = reinterpret_cast<const Vec*>(A.gtpad);
-  const bool want_lam = A.dlam != nullptr, want_g = A.dg != nullptr;
-  const scalar_t* mu = A.mu;
-  // dg block accumulator: n x C vectors, lanes >= k discarded
-  Vec acc[(NN > 0 ? NN : C * V) * C];
-  const int64_t nacc = n * C;
-  for (int64_t i = 0; i < nacc; ++i) acc[i] = Vec{};
-  auto row = [&](const scalar_t* dr, const scalar_t* lr, const scalar_t* mr, scalar_t* out) __attribute__((always_inline)) {
-    if (want_lam) {
-      Vec gl[C];
-      for (int c = 0; c < C; ++c) gl[c] = Vec{};
-      for (int64_t j = 0; j < k; ++j) {
-        const scalar_t dj = dr[j];
-        for (int c = 0; c < C; ++c) gl[c] += dj * gt[j * C + c];
-      }
-      const Vec* mv = reinterpret_cast<const Vec*>(mr);
-      Vec* o = reinterpret_cast<Vec*>(out);
-      for (int c = 0; c < C; ++c) o[c] = mr ? gl[c] * mv[c] : gl[c];
-    }
-    if (want_g) {
-      const Vec* dv = reinterpret_cast<const Vec*>(dr);
-      Vec dvr[C];
-      for (int c = 0; c < C; ++c) dvr[c] = dv[c];
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t cj = mr ? lr[j] * mr[j] : lr[j];
-        for (int c = 0; c < C; ++c) acc[j * C + c] += cj * dvr[c];
-      }
-    }
-  };
-  auto flush = [&]() __attribute__((always_inline)) {
-    if (!want_g) return;
-    for (int64_t j = 0; j < n; ++j) {
-      for (int c = 0; c < C; ++c) {
-        for (int l = 0; l < V && c * V + l < k; ++l) A.dg[j * k + c * V + l] += static_cast<double>(acc[j * C + c][l]);
-        acc[j * C + c] = Vec{};
-      }
-    }
-  };
-  const int64_t fe = fast_end(r0, r1, C * V, n, k);
-  int64_t in_block = 0;
-  for (int64_t r = r0; r < fe; ++r) {
-    row(A.dh + r * k, A.lam + r * n, mu ? mu + r * n : nullptr, want_lam ? A.dlam + r * n : nullptr);
-    if (++in_block == kBlockRows) {
-      flush();
-      in_block = 0;
-    }
-  }
-  alignas(32) scalar_t dbuf[C * V] = {}, lbuf[C * V] = {}, mbuf[C * V] = {}, obuf[C * V];
-  for (int64_t r = fe; r < r1; ++r) {
-    std::copy(A.dh + r * k, A.dh + (r + 1) * k, dbuf);
-    std::copy(A.lam + r * n, A.lam + (r + 1) * n, lbuf);
-    if (mu) std::copy(mu + r * n, mu + (r + 1) * n, mbuf);
-    row(dbuf, lbuf, mu ? mbuf : nullptr, obuf);
-    if (want_lam) std::copy(obuf, obuf + n, A.dlam + r * n);
-  }
-  flush();
-}
 
 // ---- scalar loops (Half, BFloat16, long rows) -------------------------------------------------
 
@@ -235,47 +134,6 @@ void backward_rows_scalar(const scalar_t* dh, const scalar_t* lam, const scalar_
     }
   }
 }
-
-// ---- dispatch over (C, N) and the ISA ---------------------------------------------------------
-
-// Calls BODY with compile-time C (vectors per row) and NN (N if it is the
-// common 3x3 basis size 9, else 0 = runtime N).
-#define PRUNOPT_FB_ROWS_DISPATCH(c, n, ...)                                        \
-  do {                                                                              \
-    if ((n) == 9 && (c) == (9 + kLanes<scalar_t> - 1) / kLanes<scalar_t>) {         \
-      constexpr int C = (9 + kLanes<scalar_t> - 1) / kLanes<scalar_t>;              \
-      constexpr int NN = 9;                                                         \
-      __VA_ARGS__;                                                                  \
-    } else {                                                                        \
-      switch (c) {                                                                  \
-        case 1: { constexpr int C = 1, NN = 0; __VA_ARGS__; break; }                \
-        case 2: { constexpr int C = 2, NN = 0; __VA_ARGS__; break; }                \
-        case 3: { constexpr int C = 3, NN = 0; __VA_ARGS__; break; }                \
-        default: { constexpr int C = 4, NN = 0; __VA_ARGS__; break; }               \
-      }                                                                             \
-    }                                                                               \
-  } while (0)
-
-template <typename scalar_t>
-void forward_default(const scalar_t* lam, const scalar_t* mu, const scalar_t* gpad, const Dims& d, int c, scalar_t* h,
-                     int64_t r0, int64_t r1) {
-  PRUNOPT_FB_ROWS_DISPATCH(c, d.n, (forward_rows<scalar_t, C, NN>(lam, mu, gpad, d, h, r0, r1)));
-}
-template <typename scalar_t>
-void backward_default(const BackwardArgs<scalar_t>& a, int c, int64_t r0, int64_t r1) {
-  PRUNOPT_FB_ROWS_DISPATCH(c, a.d.n, (backward_rows<scalar_t, C, NN>(a, r0, r1)));
-}
-#ifdef PRUNOPT_X86_DISPATCH
-template <typename scalar_t>
-__attribute__((target("avx2,fma"))) void forward_avx2(const scalar_t* lam, const scalar_t* mu, const scalar_t* gpad,
-    const Dims& d, int c, scalar_t* h, int64_t r0, int64_t r1) {
-  PRUNOPT_FB_ROWS_DISPATCH(c, d.n, (forward_rows<scalar_t, C, NN>(lam, mu, gpad, d, h, r0, r1)));
-}
-template <typename scalar_t>
-__attribute__((target("avx2,fma"))) void backward_avx2(const BackwardArgs<scalar_t>& a, int c, int64_t r0, int64_t r1) {
-  PRUNOPT_FB_ROWS_DISPATCH(c, a.d.n, (backward_rows<scalar_t, C, NN>(a, r0, r1)));
-}
-#endif
 
 #ifdef PRUNOPT_X86_DISPATCH
 // ---- the 3x3 basis (N = K = 9) in float with AVX2: a row is one vector + one lane --------------
@@ -525,14 +383,24 @@ bool use_3x3(const Dims& d) {
 }
 #endif
 
-// Vectors per row for the vector path, or 0 for the scalar loops.
 template <typename scalar_t>
-int vectors_per_row(const Dims& d) {
+int row_lanes(const fb_rows::Rows* rk) {
+  if constexpr (kVectorised<scalar_t>) {
+    return rk->get<scalar_t>().lanes;
+  } else {
+    return 1;
+  }
+}
+
+// Vectors of `lanes` per row for the vector path (rows of up to 128 bytes),
+// or 0 for the scalar loops.
+template <typename scalar_t>
+int vectors_per_row(const Dims& d, int lanes) {
   if constexpr (!kVectorised<scalar_t>) {
     return 0;
   } else {
-    const int64_t c = (std::max(d.n, d.k) + kLanes<scalar_t> - 1) / kLanes<scalar_t>;
-    return c <= kMaxVecs ? static_cast<int>(c) : 0;
+    if (std::max(d.n, d.k) * static_cast<int64_t>(sizeof(scalar_t)) > fb_rows::kMaxRowBytes) return 0;
+    return static_cast<int>((std::max(d.n, d.k) + lanes - 1) / lanes);
   }
 }
 
@@ -551,7 +419,9 @@ inline int64_t grain_rows(const Dims& d) { return std::max<int64_t>(kBlockRows, 
 
 template <typename scalar_t>
 void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, const Dims& d, scalar_t* h) {
-  const int c = vectors_per_row<scalar_t>(d);
+  const fb_rows::Rows* rk = rows_kernels();
+  const int lanes = row_lanes<scalar_t>(rk);
+  const int c = vectors_per_row<scalar_t>(d, lanes);
   if (c == 0) {
     at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
       forward_rows_scalar(lam, mu, g, d, h, r0, r1);
@@ -570,12 +440,10 @@ void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, 
   }
 #endif
   if constexpr (kVectorised<scalar_t>) {
-    const auto gpad = padded<scalar_t>(g, d.n, d.k, c * kLanes<scalar_t>, false);
+    const auto gpad = padded<scalar_t>(g, d.n, d.k, c * lanes, false);
+    const auto forward = rk->get<scalar_t>().forward;
     at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
-#ifdef PRUNOPT_X86_DISPATCH
-      if (use_avx2()) return forward_avx2(lam, mu, gpad.data(), d, c, h, r0, r1);
-#endif
-      forward_default(lam, mu, gpad.data(), d, c, h, r0, r1);
+      forward(lam, mu, gpad.data(), d, c, h, r0, r1);
     });
   }
 }
@@ -585,12 +453,14 @@ void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, 
 template <typename scalar_t>
 void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const scalar_t* mu, const double* g,
                                const Dims& d, scalar_t* dlam, double* dg) {
-  const int c = vectors_per_row<scalar_t>(d);
+  const fb_rows::Rows* rk = rows_kernels();
+  const int lanes = row_lanes<scalar_t>(rk);
+  const int c = vectors_per_row<scalar_t>(d, lanes);
   const int64_t grain = grain_rows(d);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (d.rows + grain - 1) / grain));
   const int64_t per_chunk = (d.rows + chunks - 1) / chunks;
   std::vector<double> partial(dg ? chunks * d.n * d.k : 0, 0.0);
-  const auto gtpad = c ? padded<scalar_t>(g, d.k, d.n, c * kLanes<scalar_t>, true) : std::vector<scalar_t>();
+  const auto gtpad = c ? padded<scalar_t>(g, d.k, d.n, c * lanes, true) : std::vector<scalar_t>();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t r0 = ch * per_chunk, r1 = std::min(d.rows, r0 + per_chunk);
@@ -614,13 +484,7 @@ void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const sc
 #endif
       if constexpr (kVectorised<scalar_t>) {
         BackwardArgs<scalar_t> a{dh, lam, mu, gtpad.data(), d, dlam, dgc};
-#ifdef PRUNOPT_X86_DISPATCH
-        if (use_avx2()) {
-          backward_avx2(a, c, r0, r1);
-          continue;
-        }
-#endif
-        backward_default(a, c, r0, r1);
+        rk->get<scalar_t>().backward(a, c, r0, r1);
       }
     }
   });

@@ -19,7 +19,9 @@
 // pass, before anything is written; then one pass writes
 // clamp(t - lam* c, 0, 1). Passes run in parallel over fixed chunks of all
 // tensors at once (deterministic for a given thread count) and reduce in
-// double.
+// double. float32 scores with unit costs and the small exact sets take
+// vectorised passes on ATen's at::vec::Vectorized, compiled per CPU capability
+// (project_budget_kernels.inc; see vec_kernels below).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -37,10 +39,8 @@
 #include "prunopt/checks.h"
 #include "prunopt/projection_entry.h"
 #include "prunopt/cpu_math.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
+#include "prunopt/project_budget_cpu.h"
+#include "prunopt/vec_capability.h"
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -52,6 +52,9 @@ namespace {
 
 using projection::Delta;
 using projection::Piece;
+using projection_cpu::ceil_to_float;
+using projection_cpu::floor_to_float;
+using projection_cpu::PieceAt;
 
 constexpr int64_t kGrain = 1 << 15;     // elements per chunk at least
 constexpr int64_t kMaxBuckets = 1 << 16;
@@ -160,163 +163,32 @@ inline void reduce_one(const scalar_t* tp, const scalar_t* cp, int64_t i, double
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define PRUNOPT_HAVE_AVX2_PATH 1
 // ---------------------------------------------------------------------------
-// AVX2 fast path: float32 scores with unit costs (the common case). Sets are
-// decided by float comparisons against thresholds rounded *up* to float, which
-// for float scores is the same as comparing in double: t >= ceil_f(x) <=> t >= x.
-// Sums are accumulated in double lanes (cvtps2pd), as in the scalar path.
-
-inline bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
+// Vectorised passes: float32 scores with unit costs (the common case) and the
+// small exact sets, on ATen's at::vec::Vectorized compiled per capability
+// (project_budget_kernels.inc, project_budget_avx2.cpp / _avx512.cpp). The
+// kernels of the capability this CPU runs now, or nullptr for the scalar
+// loops (the DEFAULT capability: CPUs without AVX2, ATEN_CPU_CAPABILITY=default,
+// PRUNOPT_NO_SIMD=1). Reads the environment: once per pass.
+// The DEFAULT capability keeps the scalar loops on purpose: the same kernels
+// compiled for CPU_CAPABILITY=DEFAULT (Vectorized's arrays, lane-by-lane
+// helpers for the widening, movemask and the left-packing store) took
+// 1.9-2.2x their time (float32, unit costs, 64K-8M elements and the histogram
+// solver, 1 thread, both builds under ATEN_CPU_CAPABILITY=default;
+// bench/compare_builds.py --ops projection, bench/results/simd_aten.md).
+const projection_cpu::Kernels* vec_kernels() {
+#if PRUNOPT_VEC_X86
+  switch (vec::cpu_capability()) {
+    case vec::Capability::kAvx512:
+      return projection_cpu::AVX512::kernels();
+    case vec::Capability::kAvx2:
+      return projection_cpu::AVX2::kernels();
+    default:
+      break;
+  }
+#endif
+  return nullptr;
 }
-
-// Smallest float >= x (x finite or +-inf).
-inline float ceil_to_float(double x) {
-  float f = static_cast<float>(x);
-  if (static_cast<double>(f) < x) {
-    f = std::nextafter(f, std::numeric_limits<float>::infinity());
-  }
-  return f;
-}
-
-struct FastAcc {
-  double u = 0, fct = 0, fcc = 0;      // at lo
-  double u0 = 0, f0ct = 0, f0cc = 0;   // at 0 (first pass)
-  float maxk1 = -std::numeric_limits<float>::infinity();
-  bool bad = false;
-};
-
-__attribute__((target("avx2,fma"))) inline double hsum(__m256d v) {
-  __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
-  lo = _mm_add_pd(lo, hi);
-  return _mm_cvtsd_f64(_mm_add_sd(lo, _mm_unpackhi_pd(lo, lo)));
-}
-
-// Adds a float vector to two double accumulators.
-__attribute__((target("avx2,fma"))) inline void add_ps(__m256d& a0, __m256d& a1, __m256 x) {
-  a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-  a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
-}
-
-// One block [b, e) of a float tensor; `scatter(i)` handles an element with a
-// key inside the bracket.
-template <bool kFirst, typename Scatter>
-__attribute__((target("avx2,fma"))) void fast_block(const float* tp, int64_t b, int64_t e, double lo, double hi,
-    FastAcc& acc, Scatter&& scatter) {
-  const __m256 A = _mm256_set1_ps(ceil_to_float(lo));         // key1 >= lo
-  const __m256 B = _mm256_set1_ps(ceil_to_float(lo + 1.0));   // key2 >= lo
-  const __m256 H1 = _mm256_set1_ps(ceil_to_float(hi));        // key1 < hi
-  const __m256 H2 = _mm256_set1_ps(ceil_to_float(hi + 1.0));  // key2 < hi
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  __m256d u0 = _mm256_setzero_pd(), u1 = u0, f0 = u0, f1 = u0, c0 = u0, c1 = u0;
-  __m256d z_u0 = u0, z_u1 = u0, z_f0 = u0, z_f1 = u0, z_c0 = u0, z_c1 = u0;
-  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 vbad = zero;
-  int64_t i = b;
-  for (; i + 8 <= e; i += 8) {
-    const __m256 x = _mm256_loadu_ps(tp + i);
-    const __m256 in_u = _mm256_cmp_ps(x, B, _CMP_GE_OQ);
-    const __m256 in_f = _mm256_andnot_ps(in_u, _mm256_cmp_ps(x, A, _CMP_GE_OQ));
-    add_ps(u0, u1, _mm256_and_ps(in_u, one));
-    add_ps(f0, f1, _mm256_and_ps(in_f, x));
-    add_ps(c0, c1, _mm256_and_ps(in_f, one));
-    if (kFirst) {
-      const __m256 zu = _mm256_cmp_ps(x, one, _CMP_GE_OQ);
-      const __m256 zf = _mm256_andnot_ps(zu, _mm256_cmp_ps(x, zero, _CMP_GE_OQ));
-      add_ps(z_u0, z_u1, _mm256_and_ps(zu, one));
-      add_ps(z_f0, z_f1, _mm256_and_ps(zf, x));
-      add_ps(z_c0, z_c1, _mm256_and_ps(zf, one));
-      vmax = _mm256_max_ps(vmax, x);
-      vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ));  // inf or nan
-    }
-    const __m256 k1 = _mm256_and_ps(_mm256_cmp_ps(x, A, _CMP_GE_OQ), _mm256_cmp_ps(x, H1, _CMP_LT_OQ));
-    const __m256 k2 = _mm256_and_ps(in_u, _mm256_cmp_ps(x, H2, _CMP_LT_OQ));
-    int bits = _mm256_movemask_ps(_mm256_or_ps(k1, k2));
-    while (bits) {
-      const int l = __builtin_ctz(bits);
-      bits &= bits - 1;
-      scatter(i + l);
-    }
-  }
-  FastAcc tail;
-  for (; i < e; ++i) {  // the last < 8 elements, in double
-    const double t = tp[i];
-    if (t - 1.0 >= lo) {
-      tail.u += 1;
-    } else if (t >= lo) {
-      tail.fct += t;
-      tail.fcc += 1;
-    }
-    if (kFirst) {
-      if (t >= 1.0) tail.u0 += 1; else if (t >= 0.0) { tail.f0ct += t; tail.f0cc += 1; }
-      tail.maxk1 = std::max(tail.maxk1, tp[i]);
-      tail.bad |= !std::isfinite(t);
-    }
-    if ((t - 1.0 >= lo && t - 1.0 < hi) || (t >= lo && t < hi)) {
-      scatter(i);
-    }
-  }
-  acc.u += hsum(_mm256_add_pd(u0, u1)) + tail.u;
-  acc.fct += hsum(_mm256_add_pd(f0, f1)) + tail.fct;
-  acc.fcc += hsum(_mm256_add_pd(c0, c1)) + tail.fcc;
-  if (kFirst) {
-    acc.u0 += hsum(_mm256_add_pd(z_u0, z_u1)) + tail.u0;
-    acc.f0ct += hsum(_mm256_add_pd(z_f0, z_f1)) + tail.f0ct;
-    acc.f0cc += hsum(_mm256_add_pd(z_c0, z_c1)) + tail.f0cc;
-    float m[8];
-    _mm256_storeu_ps(m, vmax);
-    for (float v : m) acc.maxk1 = std::max(acc.maxk1, v);
-    acc.maxk1 = std::max(acc.maxk1, tail.maxk1);
-    acc.bad |= _mm256_movemask_ps(vbad) != 0 || tail.bad;
-  }
-}
-
-// clamp(t - lam, 0, 1) in double, rounded once to float. `stream`: the
-// output is not read (a fresh tensor): non-temporal stores skip reading its
-// cache lines before writing them.
-template <bool kStream>
-__attribute__((target("avx2,fma"))) void fast_apply_impl(const float* tp, float* op, int64_t b, int64_t e, double lam) {
-  const __m256d L = _mm256_set1_pd(lam), Z = _mm256_setzero_pd(), O = _mm256_set1_pd(1.0);
-  int64_t i = b;
-  if (kStream) {
-    for (; i < e && (reinterpret_cast<uintptr_t>(op + i) & 31) != 0; ++i) {
-      op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
-    }
-  }
-  for (; i + 8 <= e; i += 8) {
-    const __m256 x = _mm256_loadu_ps(tp + i);
-    __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-    __m256d c = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    a = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(a, L), Z), O);
-    c = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(c, L), Z), O);
-    const __m256 y = _mm256_set_m128(_mm256_cvtpd_ps(c), _mm256_cvtpd_ps(a));
-    if (kStream) {
-      _mm256_stream_ps(op + i, y);
-    } else {
-      _mm256_storeu_ps(op + i, y);
-    }
-  }
-  for (; i < e; ++i) {
-    op[i] = static_cast<float>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam));
-  }
-  if (kStream) {
-    _mm_sfence();
-  }
-}
-
-constexpr int64_t kStreamMin = 1 << 20;  // elements per chunk; smaller outputs stay in cache
-
-void fast_apply(const float* tp, float* op, int64_t b, int64_t e, double lam) {
-  if (tp != op && e - b >= kStreamMin) {
-    fast_apply_impl<true>(tp, op, b, e, lam);
-  } else {
-    fast_apply_impl<false>(tp, op, b, e, lam);
-  }
-}
-#endif  // x86-64 GCC/Clang
 
 // One pass over all tensors: U and F at lam = lo, and the breakpoints inside
 // [lo, hi) sorted into `buckets` buckets of equal width. The first pass also
@@ -337,35 +209,24 @@ void level_pass(
   const int64_t nchunks = static_cast<int64_t>(accs.size());
   const double scale = static_cast<double>(buckets) / (hi - lo);
   const double last = static_cast<double>(buckets - 1);
+  const projection_cpu::Kernels* vk = vec_kernels();
   at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
       ChunkAcc& a = accs[ch];
       a.hist.assign(buckets, Delta{});
       Delta* hist = a.hist.data();
       Lanes L;
-#ifdef PRUNOPT_HAVE_AVX2_PATH
-      FastAcc fast;
-#endif
+      projection_cpu::LevelAcc fast;
       for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
           [&](const Segment& s, int64_t b, int64_t e) {
         const scalar_t* tp = static_cast<const scalar_t*>(s.t);
         const scalar_t* cp = static_cast<const scalar_t*>(s.c);
-#ifdef PRUNOPT_HAVE_AVX2_PATH
         if constexpr (std::is_same_v<scalar_t, float> && !kCost) {
-          if (cpu_has_avx2()) {
-            fast_block<kFirst>(tp, b, e, lo, hi, fast, [&](int64_t i) {
-              const double t = tp[i];
-              if (t - 1.0 >= lo && t - 1.0 < hi) {
-                hist[static_cast<int64_t>(std::min((t - 1.0 - lo) * scale, last))].add2(t, 1.0);
-              }
-              if (t >= lo && t < hi) {
-                hist[static_cast<int64_t>(std::min((t - lo) * scale, last))].add1(t, 1.0);
-              }
-            });
+          if (vk != nullptr) {
+            vk->level_block[kFirst](tp, b, e, lo, hi, scale, last, hist, fast);
             return;
           }
         }
-#endif
         for (int64_t b0 = b; b0 < e; b0 += kBlock) {
           const int64_t e0 = std::min(e, b0 + kBlock);
           int64_t i = b0;
@@ -402,12 +263,10 @@ void level_pass(
         bad_t += L.bad_t[l];
         bad_c += L.bad_c[l];
       }
-#ifdef PRUNOPT_HAVE_AVX2_PATH
       at_lo.merge(Piece{fast.u, fast.fct, fast.fcc});
       at_zero.merge(Piece{fast.u0, fast.f0ct, fast.f0cc});
       max_key1 = std::max(max_key1, static_cast<double>(fast.maxk1));
       bad_t += fast.bad ? 1.0 : 0.0;
-#endif
       a.at_lo = at_lo;
       if (kFirst) {
         a.at_zero = at_zero;
@@ -700,7 +559,7 @@ class BlockPool {
 };
 
 // A growable buffer of trivially copyable values that the vector kernels may
-// write up to 8 values past its size (reserve() keeps that room).
+// write up to 16 values past its size (reserve() keeps that room).
 template <typename T>
 struct RawBuf {
   T* p = nullptr;
@@ -751,14 +610,6 @@ struct SmallSet {
   }
 };
 
-// U and F sums of a small set on the piece just right of lam, that piece's
-// ends [kb, ka] (the nearest breakpoints <= lam and > lam), and the first two
-// moments of the terms c_i clamp(t_i - lam c_i, 0, 1) (for the sample error).
-struct PieceAt {
-  Piece p;
-  double kb, ka, s1, s2;
-};
-
 // One element's share of piece_at (scalar path and vector tails).
 template <bool kCost>
 inline void piece_one(double t, double c, double lam, PieceAt& r) {
@@ -787,65 +638,22 @@ PieceAt piece_at_scalar(const SmallSet& s, double lam, int64_t begin = 0) {
   return r;
 }
 
-#ifdef PRUNOPT_HAVE_AVX2_PATH
-__attribute__((target("avx2,fma"))) inline double hmax(__m256d v) {
-  alignas(32) double x[4];
-  _mm256_store_pd(x, v);
-  return std::max(std::max(x[0], x[1]), std::max(x[2], x[3]));
-}
-__attribute__((target("avx2,fma"))) inline double hmin(__m256d v) {
-  alignas(32) double x[4];
-  _mm256_store_pd(x, v);
-  return std::min(std::min(x[0], x[1]), std::min(x[2], x[3]));
-}
-
-template <bool kCost>
-__attribute__((target("avx2,fma"))) PieceAt piece_at_avx2(const SmallSet& s, double lam) {
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  const double* T = s.t.data();
-  const double* C = kCost ? s.c.data() : nullptr;
-  const int64_t m = s.size();
-  const __m256d L = _mm256_set1_pd(lam), one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
-  const __m256d pinf = _mm256_set1_pd(kInf), ninf = _mm256_set1_pd(-kInf);
-  __m256d u = zero, ft = zero, fcc = zero, s1 = zero, s2 = zero, kb = ninf, ka = pinf;
-  int64_t i = 0;
-  for (; i + 4 <= m; i += 4) {
-    const __m256d t = _mm256_loadu_pd(T + i);
-    const __m256d c = kCost ? _mm256_loadu_pd(C + i) : one;
-    const __m256d k1 = kCost ? _mm256_div_pd(t, c) : t;
-    const __m256d k2 = kCost ? _mm256_div_pd(_mm256_sub_pd(t, one), c) : _mm256_sub_pd(t, one);
-    const __m256d up = _mm256_cmp_pd(k2, L, _CMP_GT_OQ);
-    const __m256d gt1 = _mm256_cmp_pd(k1, L, _CMP_GT_OQ);
-    const __m256d fr = _mm256_andnot_pd(up, gt1);
-    u = _mm256_add_pd(u, _mm256_and_pd(up, c));
-    ft = _mm256_add_pd(ft, _mm256_and_pd(fr, _mm256_mul_pd(c, t)));
-    fcc = _mm256_add_pd(fcc, _mm256_and_pd(fr, _mm256_mul_pd(c, c)));
-    __m256d v = _mm256_min_pd(_mm256_max_pd(_mm256_sub_pd(t, _mm256_mul_pd(L, c)), zero), one);
-    v = _mm256_mul_pd(v, c);
-    s1 = _mm256_add_pd(s1, v);
-    s2 = _mm256_add_pd(s2, _mm256_mul_pd(v, v));
-    const __m256d le1 = _mm256_cmp_pd(k1, L, _CMP_LE_OQ), le2 = _mm256_cmp_pd(k2, L, _CMP_LE_OQ);
-    kb = _mm256_max_pd(kb, _mm256_blendv_pd(_mm256_blendv_pd(ninf, k2, le2), k1, le1));
-    ka = _mm256_min_pd(ka, _mm256_blendv_pd(_mm256_blendv_pd(pinf, k1, gt1), k2, up));
-  }
-  PieceAt r = piece_at_scalar<kCost>(s, lam, i);
-  r.p.merge(Piece{hsum(u), hsum(ft), hsum(fcc)});
-  r.s1 += hsum(s1);
-  r.s2 += hsum(s2);
-  r.kb = std::max(r.kb, hmax(kb));
-  r.ka = std::min(r.ka, hmin(ka));
-  return r;
-}
-#endif
-
-// Sums, piece ends and moments at lam (AVX2 when available).
+// Sums, piece ends and moments at lam (the vectorised kernels when the
+// capability has them: the vector part, then the scalar tail, merged in the
+// order of the scalar loop's sums).
 template <bool kCost>
 PieceAt piece_at(const SmallSet& s, double lam) {
-#ifdef PRUNOPT_HAVE_AVX2_PATH
-  if (cpu_has_avx2()) {
-    return piece_at_avx2<kCost>(s, lam);
+  if (const projection_cpu::Kernels* vk = vec_kernels()) {
+    PieceAt v;
+    const int64_t i = vk->piece_at[kCost](s.t.data(), kCost ? s.c.data() : nullptr, s.size(), lam, v);
+    PieceAt r = piece_at_scalar<kCost>(s, lam, i);
+    r.p.merge(v.p);
+    r.s1 += v.s1;
+    r.s2 += v.s2;
+    r.kb = std::max(r.kb, v.kb);
+    r.ka = std::min(r.ka, v.ka);
+    return r;
   }
-#endif
   return piece_at_scalar<kCost>(s, lam);
 }
 
@@ -1083,113 +891,21 @@ void scalar_compact(const scalar_t* tp, const scalar_t* cp, int64_t b0, int64_t 
   out.base.merge(Piece{u, ft, fcc});
 }
 
-#ifdef PRUNOPT_HAVE_AVX2_PATH
-// Permutations that move the lanes selected by an 8-bit mask to the front.
-struct PermTable {
-  alignas(32) int32_t idx[256][8];
-  PermTable() {
-    for (int mask = 0; mask < 256; ++mask) {
-      int k = 0;
-      for (int j = 0; j < 8; ++j) {
-        if (mask >> j & 1) {
-          idx[mask][k++] = j;
-        }
-      }
-      while (k < 8) {
-        idx[mask][k++] = 0;
-      }
-    }
-  }
-};
-
-const PermTable& perm_table() {
-  static const PermTable table;
-  return table;
-}
-
-// Largest float <= x.
-inline float floor_to_float(double x) {
-  float f = static_cast<float>(x);
-  if (static_cast<double>(f) > x) {
-    f = std::nextafter(f, -std::numeric_limits<float>::infinity());
-  }
-  return f;
-}
-
-__attribute__((target("avx2,fma"))) inline int64_t hsum_epi32(__m256i v) {
-  alignas(32) int32_t x[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(x), v);
-  int64_t s = 0;
-  for (int32_t y : x) s += y;
-  return s;
-}
-
-// The compaction pass for float32 scores with unit costs. With t float and a
-// double threshold x: t > x <=> t > floor_f(x), t < x <=> t < ceil_f(x), so
-// the float comparisons below are the double comparisons of the scalar path
-// against a, b, a + 1, b + 1 (breakpoints key1 = t, key2 = t - 1):
-//   B: a < t < b or a + 1 < t < b + 1;  U: t >= b + 1;  F: b <= t <= a + 1.
-// Counts are kept in int32 lanes per block, the F sum in double lanes, and the
-// B elements are stored with a permute (no branch per element).
-__attribute__((target("avx2,fma"))) void fast_compact(const float* tp, int64_t b0, int64_t e0, double a, double b,
+// The compaction pass of float32 scores with unit costs on the vectorised
+// kernels (compact_block, project_budget_kernels.inc), block by block so that
+// the buffer grows before each block's stores.
+void fast_compact(const projection_cpu::Kernels* vk, const float* tp, int64_t b0, int64_t e0, double a, double b,
     PassChunk<float>& out, bool& bad) {
-  const double a1 = a + 1.0, b1 = b + 1.0;
-  const __m256 A1 = _mm256_set1_ps(floor_to_float(a)), B1 = _mm256_set1_ps(ceil_to_float(b));
-  const __m256 A2 = _mm256_set1_ps(floor_to_float(a1)), B2 = _mm256_set1_ps(ceil_to_float(b1));
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 fmax = _mm256_set1_ps(std::numeric_limits<float>::max());
-  const PermTable& P = perm_table();
-  int64_t not_u = 0, not_f = 0;
-  double ft = 0;
+  projection_cpu::CompactAcc acc;
   for (int64_t blk = b0; blk < e0; blk += kCompactBlock) {
     const int64_t be = std::min(e0, blk + kCompactBlock);
-    out.t.reserve(out.t.n + (be - blk) + 8);
-    float* buf = out.t.p;
-    int64_t pos = out.t.n;
-    __m256i cu = _mm256_setzero_si256(), cf = cu;
-    __m256d s0 = _mm256_setzero_pd(), s1 = s0;
-    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    int64_t i = blk;
-    for (; i + 8 <= be; i += 8) {
-      const __m256 x = _mm256_loadu_ps(tp + i);
-      const __m256 lt_b = _mm256_cmp_ps(x, B1, _CMP_LT_OQ);
-      const __m256 gt_a1 = _mm256_cmp_ps(x, A2, _CMP_GT_OQ);
-      const __m256 lt_b1 = _mm256_cmp_ps(x, B2, _CMP_LT_OQ);
-      const __m256 in_b = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(x, A1, _CMP_GT_OQ), lt_b),
-          _mm256_and_ps(gt_a1, lt_b1));
-      const __m256 not_free = _mm256_or_ps(lt_b, gt_a1);
-      const __m256 fx = _mm256_andnot_ps(not_free, x);
-      cu = _mm256_sub_epi32(cu, _mm256_castps_si256(lt_b1));
-      cf = _mm256_sub_epi32(cf, _mm256_castps_si256(not_free));
-      s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(fx)));
-      s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(fx, 1)));
-      ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(x, absmask), fmax, _CMP_LE_OQ));
-      const int bits = _mm256_movemask_ps(in_b);
-      const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(P.idx[bits]));
-      _mm256_storeu_ps(buf + pos, _mm256_permutevar8x32_ps(x, idx));
-      pos += __builtin_popcount(static_cast<unsigned>(bits));
-    }
-    not_u += hsum_epi32(cu);
-    not_f += hsum_epi32(cf);
-    ft += hsum(_mm256_add_pd(s0, s1));
-    bad |= _mm256_movemask_ps(ok) != 0xff;
-    for (; i < be; ++i) {  // the last < 8 elements, in double
-      const double t = tp[i];
-      bad |= !std::isfinite(t);
-      const bool in_b = (t > a && t < b) || (t > a1 && t < b1);
-      const bool nf = t < b || t > a1;
-      not_u += t < b1;
-      not_f += nf;
-      ft += nf ? 0.0 : t;
-      buf[pos] = tp[i];
-      pos += in_b;
-    }
-    out.t.n = pos;
+    out.t.reserve(out.t.n + (be - blk) + 16);
+    out.t.n += vk->compact_block(tp, blk, be, a, b, out.t.p + out.t.n, acc);
   }
+  bad |= acc.bad;
   const double len = static_cast<double>(e0 - b0);
-  out.base.merge(Piece{len - static_cast<double>(not_u), ft, len - static_cast<double>(not_f)});
+  out.base.merge(Piece{len - static_cast<double>(acc.not_u), acc.ft, len - static_cast<double>(acc.not_f)});
 }
-#endif  // PRUNOPT_HAVE_AVX2_PATH
 
 // One compaction pass over all segments with the bracket [a, b], in parallel
 // over fixed chunks (deterministic for a given thread count).
@@ -1198,6 +914,7 @@ std::vector<PassChunk<scalar_t>> compact_pass(
     const std::vector<Segment>& segs, int64_t total, double a, double b, double frac) {
   const int64_t nchunks = num_chunks(total);
   std::vector<PassChunk<scalar_t>> chunks(nchunks);
+  const projection_cpu::Kernels* vk = vec_kernels();
   at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
       PassChunk<scalar_t>& out = chunks[ch];
@@ -1213,14 +930,12 @@ std::vector<PassChunk<scalar_t>> compact_pass(
       for_each_piece(segs, begin, end, [&](const Segment& s, int64_t lb, int64_t le) {
         const scalar_t* tp = static_cast<const scalar_t*>(s.t);
         const scalar_t* cp = static_cast<const scalar_t*>(s.c);
-#ifdef PRUNOPT_HAVE_AVX2_PATH
         if constexpr (std::is_same_v<scalar_t, float> && !kCost) {
-          if (cpu_has_avx2()) {
-            fast_compact(tp, lb, le, a, b, out, bad_fast);
+          if (vk != nullptr) {
+            fast_compact(vk, tp, lb, le, a, b, out, bad_fast);
             return;
           }
         }
-#endif
         scalar_compact<scalar_t, kCost, kValidate>(tp, cp, lb, le, a, b, out, bad_t, bad_c);
       });
       if (kValidate) {
@@ -1345,6 +1060,7 @@ double solve_lambda(const std::vector<Segment>& segs, int64_t total, double budg
 template <typename scalar_t, bool kCost>
 void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
   const int64_t nchunks = num_chunks(total);
+  const projection_cpu::Kernels* vk = vec_kernels();
   at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
       for_each_piece(segs, total * ch / nchunks, total * (ch + 1) / nchunks,
@@ -1352,14 +1068,12 @@ void apply(const std::vector<Segment>& segs, int64_t total, double lam) {
             const scalar_t* tp = static_cast<const scalar_t*>(s.t);
             const scalar_t* cp = static_cast<const scalar_t*>(s.c);
             scalar_t* op = static_cast<scalar_t*>(s.out);
-#ifdef PRUNOPT_HAVE_AVX2_PATH
             if constexpr (std::is_same_v<scalar_t, float> && !kCost) {
-              if (cpu_has_avx2()) {
-                fast_apply(tp, op, b, e, lam);
+              if (vk != nullptr) {
+                vk->apply(tp, op, b, e, lam);
                 return;
               }
             }
-#endif
             for (int64_t i = b; i < e; ++i) {
               const double c = kCost ? static_cast<double>(cp[i]) : 1.0;
               op[i] = static_cast<scalar_t>(cpu_math::clamp01(static_cast<double>(tp[i]) - lam * c));

@@ -22,13 +22,15 @@
 // of the thread count, so every sum has a fixed order and results are
 // deterministic) and run with at::parallel_for over all tensors at once.
 // The scan and element passes are written once (prunadag_kernels.inc) over a
-// SIMD traits type, compiled for SSE2, AVX2+FMA and AVX-512, chosen at run
-// time. The AVX2 traits are ATen's at::vec::Vectorized (at par with the
-// hand-written AVX2 intrinsics they replaced); the AVX-512 traits stay
-// hand-written (mask registers: measured faster than a Vectorized form, see
-// there), and so do the SSE2 ones (the x86-64 baseline; not measured against
-// Vectorized's DEFAULT form, which one translation unit cannot hold beside
-// the AVX2 one).
+// SIMD traits type and compiled per CPU capability in their own objects
+// (prunadag_default.cpp, prunadag_avx2.cpp, prunadag_avx512.cpp; see
+// prunopt/prunadag_cpu.h); each piece of work takes the table of the
+// capability prunopt::vec::cpu_capability() names. The AVX2 traits are ATen's
+// at::vec::Vectorized (at par with the hand-written AVX2 intrinsics they
+// replaced), and so are the DEFAULT capability's (Vectorized's DEFAULT form,
+// about twice as fast as the hand-written SSE2 traits it replaced, see
+// prunadag_default.cpp); the AVX-512 traits stay hand-written (mask
+// registers: measured faster than a Vectorized form, see prunadag_avx512.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,36 +45,22 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define PRUNOPT_PRUNADAG_X86 1
-#endif
-
-#if defined(PRUNOPT_PRUNADAG_X86)
-// ATen's vec headers for the AVX2 clone (at::vec::Vectorized in its AVX2 form,
-// inline namespace AVX2; see prunopt/vec_capability.h), before anything of
-// our own: the AVX-512 and SSE2 clones below keep their own intrinsics.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#pragma GCC diagnostic push
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#include "prunopt/vec_target.h"
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
-
 #include "prunopt/checks.h"
 #include "prunopt/cpu_math.h"
 #include "prunopt/prunadag.h"
+#include "prunopt/prunadag_cpu.h"
 #include "prunopt/prunadag_reduced.h"
 #include "prunopt/tensor_list.h"
+#include "prunopt/vec_capability.h"
 
 namespace prunopt {
 namespace cpu {
 namespace {
 
 using namespace prunopt::prunadag;
+using prunadag_cpu::Seg;
+using prunadag_cpu::ScanOut;
+using prunadag_cpu::NormGuard;
 
 // Fixed work unit (elements of the concatenated index space).
 constexpr int64_t kChunk = 1 << 16;
@@ -86,66 +74,6 @@ constexpr int64_t kSampleMin = 1 << 16;
 // Fewer candidates than this are selected and summed on the calling thread
 // (a parallel region costs more than the work: ~10 us each on 2 cores).
 constexpr int64_t kSerialCandidates = 1 << 14;
-
-struct Seg {
-  void* x;
-  void* so;
-  void* sd;
-  const void* g;
-  int64_t n;
-  int64_t offset;
-  bool prune;
-  double h[kHyperCols];
-};
-
-// Per-chunk result of the scan pass: cg holds the candidates' effective
-// gradients, cx their parameter values (when norms are needed).
-template <typename T>
-struct ScanOut {
-  int64_t above = 0;
-  int64_t ncand = 0;
-  double g2 = 0.0, x2 = 0.0;
-  bool bad = false;
-  std::vector<T> cg, cx;
-};
-
-// Left-packing permutations for the branch-free candidate stores: row m lists
-// the lanes set in mask m, for 8 x 32-bit lanes (f) and 4 x 64-bit lanes as
-// pairs of 32-bit lanes (d).
-struct CompressLut {
-  int32_t f[256][8];
-  int32_t d[16][8];
-  constexpr CompressLut() : f(), d() {
-    for (int m = 0; m < 256; ++m) {
-      int j = 0;
-      for (int l = 0; l < 8; ++l) {
-        if (m >> l & 1) {
-          f[m][j++] = l;
-        }
-      }
-    }
-    for (int m = 0; m < 16; ++m) {
-      int j = 0;
-      for (int l = 0; l < 4; ++l) {
-        if (m >> l & 1) {
-          d[m][j++] = 2 * l;
-          d[m][j++] = 2 * l + 1;
-        }
-      }
-    }
-  }
-};
-alignas(64) constexpr CompressLut kCompressLut{};
-
-// Scalar left-pack without branches: writes W slots, keeps popcount(mask).
-template <typename T, int W>
-inline void compress_scalar(T* dst, const T* lanes, int mask) {
-  int j = 0;
-  for (int l = 0; l < W; ++l) {
-    dst[j] = lanes[l];
-    j += (mask >> l) & 1;
-  }
-}
 
 int64_t num_chunks(int64_t total) {
   return std::max<int64_t>(1, (total + kChunk - 1) / kChunk);
@@ -180,540 +108,40 @@ void for_each_chunk(int64_t total, F&& body) {
 }
 
 // ---------------------------------------------------------------- SIMD kernels
-// The scan's ||x||^2 leaves out |x| < kXMin, whose squares could be denormal
-// (float: x^2 >= 2^-120 > FLT_MIN = 2^-126 for the others).
-template <typename T>
-struct NormGuard;
-template <>
-struct NormGuard<float> {
-  static constexpr float kXMin = 0x1p-60f;
-};
-template <>
-struct NormGuard<double> {
-  static constexpr double kXMin = 0x1p-500;
-};
-
-
+// The passes of the capability this CPU runs now (the environment is read at
+// each call: PRUNOPT_NO_AVX512 and PRUNOPT_NO_SIMD switch clones within a
+// process; one call per piece of 2^16 elements).
+const prunadag_cpu::Kernels* kernels() {
 #if defined(PRUNOPT_PRUNADAG_X86)
-namespace sse2 {
-struct SimdF {
-  using T = float;
-  using V = __m128;
-  using Acc = __m128d;
-  static constexpr int W = 4;
-  static constexpr bool kApprox = true;  // rsqrt (relative error <= 1.5 * 2^-12)
-  static V rsqrt(V a) { return _mm_rsqrt_ps(a); }
-  static V load(const float* p) { return _mm_loadu_ps(p); }
-  static void store(float* p, V v) { _mm_storeu_ps(p, v); }
-  static V set1(float v) { return _mm_set1_ps(v); }
-  static V zero() { return _mm_setzero_ps(); }
-  static V add(V a, V b) { return _mm_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm_div_ps(a, b); }
-  static V sqrt(V a) { return _mm_sqrt_ps(a); }
-  static V min(V a, V b) { return _mm_min_ps(a, b); }
-  static V ge(V a, V b) { return _mm_cmpge_ps(a, b); }
-  static V gt(V a, V b) { return _mm_cmpgt_ps(a, b); }
-  static V lt(V a, V b) { return _mm_cmplt_ps(a, b); }
-  static V le(V a, V b) { return _mm_cmple_ps(a, b); }
-  static V nlt(V a, V b) { return _mm_cmpnlt_ps(a, b); }
-  static V and_(V a, V b) { return _mm_and_ps(a, b); }
-  static V or_(V a, V b) { return _mm_or_ps(a, b); }
-  static V andnot(V a, V b) { return _mm_andnot_ps(a, b); }  // ~a & b
-  static V blend(V m, V a, V b) { return _mm_or_ps(_mm_and_ps(m, a), _mm_andnot_ps(m, b)); }
-  static V signbit() { return _mm_set1_ps(-0.0f); }
-  static V ones() { return _mm_castsi128_ps(_mm_set1_epi32(-1)); }
-  static int movemask(V a) { return _mm_movemask_ps(a); }
-  using M = V;  // a compare lane is all ones or all zeros
-  static M mand(M a, M b) { return and_(a, b); }
-  static M mor(M a, M b) { return or_(a, b); }
-  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
-  static M mfalse() { return zero(); }
-  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
-  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
-  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
-  // v where m (resp. where not m), old elsewhere; old is what p holds
-  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
-  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
-  using C = __m128i;  // per-lane counts of true compare lanes (a true lane is -1)
-  static C cnt_zero() { return _mm_setzero_si128(); }
-  static C cnt_add(C c, V mask) { return _mm_sub_epi32(c, _mm_castps_si128(mask)); }
-  static int64_t cnt_sum(C c) {
-    alignas(16) int32_t t[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(t), c);
-    return int64_t(t[0]) + t[1] + t[2] + t[3];
+  switch (vec::cpu_capability()) {
+    case vec::Capability::kAvx512:
+      return prunadag_cpu::AVX512::kernels();
+    case vec::Capability::kAvx2:
+      return prunadag_cpu::AVX2::kernels();
+    default:
+      break;
   }
-  static void compress_store(float* dst, V v, int mask) {
-    alignas(16) float t[4];
-    _mm_store_ps(t, v);
-    compress_scalar<float, 4>(dst, t, mask);
-  }
-  static Acc acc_zero() { return _mm_setzero_pd(); }
-  static V sq_add(V acc, V v) { return _mm_add_ps(acc, _mm_mul_ps(v, v)); }
-  static void acc_add(Acc& acc, V v) {
-    acc = _mm_add_pd(acc, _mm_add_pd(_mm_cvtps_pd(v), _mm_cvtps_pd(_mm_movehl_ps(v, v))));
-  }
-  static void acc_sq(Acc& acc, V v) {
-    const __m128d l = _mm_cvtps_pd(v), h = _mm_cvtps_pd(_mm_movehl_ps(v, v));
-    acc = _mm_add_pd(acc, _mm_add_pd(_mm_mul_pd(l, l), _mm_mul_pd(h, h)));
-  }
-  static double acc_sum(Acc a) {
-    double t[2];
-    _mm_storeu_pd(t, a);
-    return t[0] + t[1];
-  }
-};
-struct SimdD {
-  using T = double;
-  using V = __m128d;
-  using Acc = __m128d;
-  static constexpr int W = 2;
-  static constexpr bool kApprox = false;
-  static V rsqrt(V a) { return a; }  // unused (kApprox = false)
-  static V load(const double* p) { return _mm_loadu_pd(p); }
-  static void store(double* p, V v) { _mm_storeu_pd(p, v); }
-  static V set1(double v) { return _mm_set1_pd(v); }
-  static V zero() { return _mm_setzero_pd(); }
-  static V add(V a, V b) { return _mm_add_pd(a, b); }
-  static V sub(V a, V b) { return _mm_sub_pd(a, b); }
-  static V mul(V a, V b) { return _mm_mul_pd(a, b); }
-  static V div(V a, V b) { return _mm_div_pd(a, b); }
-  static V sqrt(V a) { return _mm_sqrt_pd(a); }
-  static V min(V a, V b) { return _mm_min_pd(a, b); }
-  static V ge(V a, V b) { return _mm_cmpge_pd(a, b); }
-  static V gt(V a, V b) { return _mm_cmpgt_pd(a, b); }
-  static V lt(V a, V b) { return _mm_cmplt_pd(a, b); }
-  static V le(V a, V b) { return _mm_cmple_pd(a, b); }
-  static V nlt(V a, V b) { return _mm_cmpnlt_pd(a, b); }
-  static V and_(V a, V b) { return _mm_and_pd(a, b); }
-  static V or_(V a, V b) { return _mm_or_pd(a, b); }
-  static V andnot(V a, V b) { return _mm_andnot_pd(a, b); }
-  static V blend(V m, V a, V b) { return _mm_or_pd(_mm_and_pd(m, a), _mm_andnot_pd(m, b)); }
-  static V signbit() { return _mm_set1_pd(-0.0); }
-  static V ones() { return _mm_castsi128_pd(_mm_set1_epi32(-1)); }
-  static int movemask(V a) { return _mm_movemask_pd(a); }
-  using M = V;  // a compare lane is all ones or all zeros
-  static M mand(M a, M b) { return and_(a, b); }
-  static M mor(M a, M b) { return or_(a, b); }
-  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
-  static M mfalse() { return zero(); }
-  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
-  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
-  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
-  // v where m (resp. where not m), old elsewhere; old is what p holds
-  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
-  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
-  using C = __m128i;
-  static C cnt_zero() { return _mm_setzero_si128(); }
-  static C cnt_add(C c, V mask) { return _mm_sub_epi64(c, _mm_castpd_si128(mask)); }
-  static int64_t cnt_sum(C c) {
-    alignas(16) int64_t t[2];
-    _mm_store_si128(reinterpret_cast<__m128i*>(t), c);
-    return t[0] + t[1];
-  }
-  static void compress_store(double* dst, V v, int mask) {
-    alignas(16) double t[2];
-    _mm_store_pd(t, v);
-    compress_scalar<double, 2>(dst, t, mask);
-  }
-  static Acc acc_zero() { return _mm_setzero_pd(); }
-  static V sq_add(V acc, V v) { return _mm_add_pd(acc, _mm_mul_pd(v, v)); }
-  static void acc_add(Acc& acc, V v) { acc = _mm_add_pd(acc, v); }
-  static void acc_sq(Acc& acc, V v) { acc = _mm_add_pd(acc, _mm_mul_pd(v, v)); }
-  static double acc_sum(Acc a) {
-    double t[2];
-    _mm_storeu_pd(t, a);
-    return t[0] + t[1];
-  }
-};
-template <typename T>
-struct SimdOf;
-template <>
-struct SimdOf<float> { using type = SimdF; };
-template <>
-struct SimdOf<double> { using type = SimdD; };
-#include "prunadag_kernels.inc"
-}  // namespace sse2
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,popcnt,bmi")
-namespace avx2 {
-// The AVX2 clone's traits on ATen's at::vec::Vectorized in its AVX2 form
-// (included at the top of this file for CPU_CAPABILITY=AVX2): 8 float / 4
-// double lanes, compare results as all-ones lanes. Four operations have no
-// Vectorized form and stay intrinsics: the approximate rsqrt (Vectorized's
-// rsqrt is the exact 1 / sqrt), movemask, the left-packing permute of
-// compress_store and the float -> double widening of the sums.
-template <typename TT>
-struct VecSimd {
-  using T = TT;
-  using V = at::vec::Vectorized<T>;
-  using M = V;  // a compare lane is all ones or all zeros
-  using Acc = at::vec::Vectorized<double>;
-  static constexpr bool kFloat = std::is_same_v<T, float>;
-  static constexpr int W = V::size();
-  static constexpr bool kApprox = kFloat;  // float: rsqrt (relative error <= 1.5 * 2^-12)
-  static V rsqrt(V a) {
-    if constexpr (kFloat) {
-      return _mm256_rsqrt_ps(a);
-    } else {
-      return a;  // unused (kApprox = false)
-    }
-  }
-  static V load(const T* p) { return V::loadu(p); }
-  static void store(T* p, V v) { v.store(p); }
-  static V set1(T v) { return V(v); }
-  static V zero() { return V(T(0)); }
-  static V add(V a, V b) { return a + b; }
-  static V sub(V a, V b) { return a - b; }
-  static V mul(V a, V b) { return a * b; }
-  static V div(V a, V b) { return a / b; }
-  static V sqrt(V a) { return a.sqrt(); }
-  static V min(V a, V b) { return at::vec::clamp_max(b, a); }  // vminps a, b: b where either is NaN
-  static V ge(V a, V b) { return a >= b; }  // ordered compares: false for NaN
-  static V gt(V a, V b) { return a > b; }
-  static V lt(V a, V b) { return a < b; }
-  static V le(V a, V b) { return a <= b; }
-  static V nlt(V a, V b) { return (a < b) ^ ones(); }  // not (a < b): true for NaN
-  static V and_(V a, V b) { return a & b; }
-  static V or_(V a, V b) { return a | b; }
-  static V andnot(V a, V b) { return (a ^ ones()) & b; }  // ~a & b
-  static V blend(V m, V a, V b) { return V::blendv(b, a, m); }  // a where m
-  static V signbit() { return V(T(-0.0)); }
-  static V ones() { return at::vec::cast<T>(at::vec::Vectorized<at::vec::int_same_size_t<T>>(-1)); }
-  static int movemask(V a) {
-    if constexpr (kFloat) {
-      return _mm256_movemask_ps(a);
-    } else {
-      return _mm256_movemask_pd(a);
-    }
-  }
-  static M mand(M a, M b) { return and_(a, b); }
-  static M mor(M a, M b) { return or_(a, b); }
-  static M mandnot(M a, M b) { return andnot(a, b); }  // ~a & b
-  static M mfalse() { return zero(); }
-  static V select(M m, V v) { return and_(m, v); }        // v where m, else 0
-  static V select_not(M m, V v) { return andnot(m, v); }  // 0 where m, else v
-  static V sq_add_where(V acc, M m, V v) { return sq_add(acc, select(m, v)); }  // acc + v^2 where m
-  // v where m (resp. where not m), old elsewhere; old is what p holds
-  static void store_where(T* p, M m, V v, V old) { store(p, blend(m, v, old)); }
-  static void store_where_not(T* p, M m, V v, V old) { store(p, blend(m, old, v)); }
-  // per-lane counts of true compare lanes, in T: exact (a piece is <= kChunk
-  // elements, far below 2^24 per lane)
-  using C = V;
-  static C cnt_zero() { return zero(); }
-  static C cnt_add(C c, M mask) { return c + (mask & V(T(1))); }
-  static int64_t cnt_sum(C c) {
-    alignas(32) T t[W];
-    c.store(t);
-    int64_t s = 0;
-    for (int j = 0; j < W; ++j) s += static_cast<int64_t>(t[j]);
-    return s;
-  }
-  static void compress_store(T* dst, V v, int mask) {
-    if constexpr (kFloat) {
-      const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.f[mask]));
-      _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, perm));
-    } else {
-      const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLut.d[mask]));
-      _mm256_storeu_pd(dst, _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(v), perm)));
-    }
-  }
-  static Acc acc_zero() { return Acc(0.0); }
-  static V sq_add(V acc, V v) { return at::vec::fmadd(v, v, acc); }
-  static void acc_add(Acc& acc, V v) {
-    if constexpr (kFloat) {
-      acc = acc + (lo_pd(v) + hi_pd(v));
-    } else {
-      acc = acc + v;
-    }
-  }
-  static void acc_sq(Acc& acc, V v) {
-    if constexpr (kFloat) {
-      const Acc l = lo_pd(v), h = hi_pd(v);
-      acc = at::vec::fmadd(l, l, acc);
-      acc = at::vec::fmadd(h, h, acc);
-    } else {
-      acc = at::vec::fmadd(v, v, acc);
-    }
-  }
-  static double acc_sum(Acc a) {
-    alignas(32) double t[4];
-    a.store(t);
-    return (t[0] + t[1]) + (t[2] + t[3]);
-  }
-  // the halves of a float vector in double
-  static Acc lo_pd(V v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
-  static Acc hi_pd(V v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
-};
-template <typename T>
-struct SimdOf {
-  using type = VecSimd<T>;
-};
-#include "prunadag_kernels.inc"
-}  // namespace avx2
-#pragma GCC pop_options
-
-// AVX-512 (F, DQ): 16 float lanes, compares into mask registers, one-uop
-// masked blends, 32 vector registers (the AVX2 element pass spilled its
-// constants to the stack and spent three uops per vblendvps on recent cores).
-// The element pass does the same IEEE operations per element as the other
-// clones (no FMA in it), so it gives the same bits.
-// Hand-written on purpose: the AVX2 clone's at::vec traits compiled for
-// CPU_CAPABILITY=AVX512 (compares as all-ones vectors, blendv, full stores;
-// the same intrinsics for rsqrt14, compress and the mask) took 0.92-1.18x the
-// time of these with 1 thread (16 paired measurements of prunadag_step_,
-// versions 0 and 3, float32 and float64, 66K and 1.3M elements; median 1.02x)
-// and 0.96-1.33x with 2 threads (float32 at 1.3M elements 1.15x and 1.33x),
-// on a shared 2-vCPU Xeon with AVX-512 (bench/compare_builds.py,
-// bench/results/simd_aten.md).
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512dq,avx2,fma,popcnt,bmi")
-namespace avx512 {
-struct SimdF {
-  using T = float;
-  using V = __m512;
-  using M = __mmask16;
-  using Acc = __m512d;
-  static constexpr int W = 16;
-  static constexpr bool kApprox = true;  // rsqrt14 (relative error <= 2^-14)
-  static V rsqrt(V a) { return _mm512_maskz_rsqrt14_ps(0xFFFF, a); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V set1(float v) { return _mm512_set1_ps(v); }
-  static V zero() { return _mm512_setzero_ps(); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm512_div_ps(a, b); }
-  static V sqrt(V a) { return _mm512_maskz_sqrt_ps(0xFFFF, a); }  // maskz: see lo_pd below
-  static V min(V a, V b) { return _mm512_maskz_min_ps(0xFFFF, a, b); }
-  static M ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
-  static M gt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-  static M lt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
-  static M le(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
-  static M nlt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }
-  static V and_(V a, V b) { return _mm512_and_ps(a, b); }
-  static V or_(V a, V b) { return _mm512_or_ps(a, b); }
-  static V andnot(V a, V b) { return _mm512_andnot_ps(a, b); }  // ~a & b
-  static V blend(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }  // a where m
-  static V signbit() { return _mm512_set1_ps(-0.0f); }
-  static int movemask(M m) { return static_cast<int>(m); }
-  static M mand(M a, M b) { return static_cast<M>(a & b); }
-  static M mor(M a, M b) { return static_cast<M>(a | b); }
-  static M mandnot(M a, M b) { return static_cast<M>(~a & b); }
-  static M mfalse() { return 0; }
-  static V select(M m, V v) { return _mm512_maskz_mov_ps(m, v); }
-  static V select_not(M m, V v) { return _mm512_maskz_mov_ps(static_cast<M>(~m), v); }
-  // v where m (resp. where not m); p keeps what it holds (old) elsewhere
-  static void store_where(float* p, M m, V v, V) { _mm512_mask_storeu_ps(p, m, v); }
-  static void store_where_not(float* p, M m, V v, V) { _mm512_mask_storeu_ps(p, static_cast<M>(~m), v); }
-  using C = __m512i;
-  static C cnt_zero() { return _mm512_setzero_si512(); }
-  static C cnt_add(C c, M m) { return _mm512_mask_add_epi32(c, m, c, _mm512_set1_epi32(1)); }
-  static int64_t cnt_sum(C c) {
-    alignas(64) int32_t t[16];
-    _mm512_store_si512(t, c);
-    int64_t s = 0;
-    for (int j = 0; j < 16; ++j) s += t[j];
-    return s;
-  }
-  static void compress_store(float* dst, V v, int mask) {
-    _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(static_cast<M>(mask), v));
-  }
-  // the halves of v in double. Here and in sqrt, min and rsqrt the maskz
-  // forms with a full mask: GCC 12 warns (-Wmaybe-uninitialized) about the
-  // undefined pass-through operand of the plain intrinsics.
-  static __m512d lo_pd(V v) { return _mm512_maskz_cvtps_pd(0xFF, _mm512_maskz_extractf32x8_ps(0xFF, v, 0)); }
-  static __m512d hi_pd(V v) { return _mm512_maskz_cvtps_pd(0xFF, _mm512_maskz_extractf32x8_ps(0xFF, v, 1)); }
-  static Acc acc_zero() { return _mm512_setzero_pd(); }
-  static V sq_add(V acc, V v) { return _mm512_fmadd_ps(v, v, acc); }
-  static V sq_add_where(V acc, M m, V v) { return _mm512_mask3_fmadd_ps(v, v, acc, m); }
-  static void acc_add(Acc& acc, V v) {
-    acc = _mm512_add_pd(acc, _mm512_add_pd(lo_pd(v), hi_pd(v)));
-  }
-  static void acc_sq(Acc& acc, V v) {
-    const __m512d l = lo_pd(v), h = hi_pd(v);
-    acc = _mm512_fmadd_pd(l, l, acc);
-    acc = _mm512_fmadd_pd(h, h, acc);
-  }
-  static double acc_sum(Acc a) {
-    alignas(64) double t[8];
-    _mm512_store_pd(t, a);
-    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-  }
-};
-struct SimdD {
-  using T = double;
-  using V = __m512d;
-  using M = __mmask8;
-  using Acc = __m512d;
-  static constexpr int W = 8;
-  static constexpr bool kApprox = false;
-  static V rsqrt(V a) { return a; }  // unused (kApprox = false)
-  static V load(const double* p) { return _mm512_loadu_pd(p); }
-  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
-  static V set1(double v) { return _mm512_set1_pd(v); }
-  static V zero() { return _mm512_setzero_pd(); }
-  static V add(V a, V b) { return _mm512_add_pd(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
-  static V div(V a, V b) { return _mm512_div_pd(a, b); }
-  static V sqrt(V a) { return _mm512_maskz_sqrt_pd(0xFF, a); }
-  static V min(V a, V b) { return _mm512_maskz_min_pd(0xFF, a, b); }
-  static M ge(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_GE_OQ); }
-  static M gt(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
-  static M lt(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_LT_OQ); }
-  static M le(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_LE_OQ); }
-  static M nlt(V a, V b) { return _mm512_cmp_pd_mask(a, b, _CMP_NLT_UQ); }
-  static V and_(V a, V b) { return _mm512_and_pd(a, b); }
-  static V or_(V a, V b) { return _mm512_or_pd(a, b); }
-  static V andnot(V a, V b) { return _mm512_andnot_pd(a, b); }
-  static V blend(M m, V a, V b) { return _mm512_mask_blend_pd(m, b, a); }
-  static V signbit() { return _mm512_set1_pd(-0.0); }
-  static int movemask(M m) { return static_cast<int>(m); }
-  static M mand(M a, M b) { return static_cast<M>(a & b); }
-  static M mor(M a, M b) { return static_cast<M>(a | b); }
-  static M mandnot(M a, M b) { return static_cast<M>(~a & b); }
-  static M mfalse() { return 0; }
-  static V select(M m, V v) { return _mm512_maskz_mov_pd(m, v); }
-  static V select_not(M m, V v) { return _mm512_maskz_mov_pd(static_cast<M>(~m), v); }
-  static void store_where(double* p, M m, V v, V) { _mm512_mask_storeu_pd(p, m, v); }
-  static void store_where_not(double* p, M m, V v, V) { _mm512_mask_storeu_pd(p, static_cast<M>(~m), v); }
-  using C = __m512i;
-  static C cnt_zero() { return _mm512_setzero_si512(); }
-  static C cnt_add(C c, M m) { return _mm512_mask_add_epi64(c, m, c, _mm512_set1_epi64(1)); }
-  static int64_t cnt_sum(C c) {
-    alignas(64) int64_t t[8];
-    _mm512_store_si512(t, c);
-    int64_t s = 0;
-    for (int j = 0; j < 8; ++j) s += t[j];
-    return s;
-  }
-  static void compress_store(double* dst, V v, int mask) {
-    _mm512_storeu_pd(dst, _mm512_maskz_compress_pd(static_cast<M>(mask), v));
-  }
-  static Acc acc_zero() { return _mm512_setzero_pd(); }
-  static V sq_add(V acc, V v) { return _mm512_fmadd_pd(v, v, acc); }
-  static V sq_add_where(V acc, M m, V v) { return _mm512_mask3_fmadd_pd(v, v, acc, m); }
-  static void acc_add(Acc& acc, V v) { acc = _mm512_add_pd(acc, v); }
-  static void acc_sq(Acc& acc, V v) { acc = _mm512_fmadd_pd(v, v, acc); }
-  static double acc_sum(Acc a) {
-    alignas(64) double t[8];
-    _mm512_store_pd(t, a);
-    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-  }
-};
-template <typename T>
-struct SimdOf;
-template <>
-struct SimdOf<float> { using type = SimdF; };
-template <>
-struct SimdOf<double> { using type = SimdD; };
-#include "prunadag_kernels.inc"
-}  // namespace avx512
-#pragma GCC pop_options
-
-bool use_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
-// AVX-512 unless PRUNOPT_NO_AVX512 is set (tests compare the clones).
-bool use_avx512() {
-  static const bool ok = use_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  return ok && std::getenv("PRUNOPT_NO_AVX512") == nullptr;
-}
-
-template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
-void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
-    scalar_t* cg, scalar_t* cx) {
-  if (use_avx512()) {
-    avx512::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
-  } else if (use_avx2()) {
-    avx2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
-  } else {
-    sse2::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
-  }
-}
-
-template <typename scalar_t, bool kWd, bool kNeg, bool kAcc, bool kB>
-void update_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
-  if (use_avx512()) {
-    avx512::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
-  } else if (use_avx2()) {
-    avx2::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
-  } else {
-    sse2::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
-  }
-}
-#else
-namespace generic {
-#define PRUNOPT_PRUNADAG_SCALAR_ONLY 1
-#include "prunadag_kernels.inc"
-#undef PRUNOPT_PRUNADAG_SCALAR_ONLY
-}  // namespace generic
-template <typename scalar_t, bool kX, bool kNorms, bool kWd, bool kNeg>
-void scan_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
-    scalar_t* cg, scalar_t* cx) {
-  generic::scan_range<scalar_t, kX, kNorms, kWd, kNeg>(s, b, e, lo, hi, out, cg, cx);
-}
-template <typename scalar_t, bool kWd, bool kNeg, bool kAcc, bool kB>
-void update_range_isa(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
-  generic::update_range<scalar_t, kWd, kNeg, kAcc, kB>(s, b, e, tau, r, version);
-}
 #endif
+  return prunadag_cpu::DEFAULT::kernels();
+}
 
-// The scan of one piece, specialised on the segment's weight decay (needs kX)
-// and maximize.
+// The scan of one piece (see scan_range in prunadag_kernels.inc).
 template <typename scalar_t, bool kX, bool kNorms>
 void scan_range(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, ScanOut<scalar_t>& out,
     scalar_t* cg, scalar_t* cx) {
-  const bool neg = s.h[kMaximize] != 0.0;
-  if (kX && s.h[kWeightDecay] != 0.0) {
-    return neg ? scan_range_isa<scalar_t, kX, kNorms, kX, true>(s, b, e, lo, hi, out, cg, cx)
-               : scan_range_isa<scalar_t, kX, kNorms, kX, false>(s, b, e, lo, hi, out, cg, cx);
-  }
-  return neg ? scan_range_isa<scalar_t, kX, kNorms, false, true>(s, b, e, lo, hi, out, cg, cx)
-             : scan_range_isa<scalar_t, kX, kNorms, false, false>(s, b, e, lo, hi, out, cg, cx);
+  kernels()->get<scalar_t>().scan[kX][kNorms](s, b, e, lo, hi, out, cg, cx);
 }
 
-// The element pass of one piece, specialised on the segment's weight decay and
-// maximize and on the version's acceptance test (see update_range).
-template <typename scalar_t, bool kAcc, bool kB>
-void update_range_v(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
-  const bool wd = s.h[kWeightDecay] != 0.0, neg = s.h[kMaximize] != 0.0;
-  if (wd) {
-    return neg ? update_range_isa<scalar_t, true, true, kAcc, kB>(s, b, e, tau, r, version)
-               : update_range_isa<scalar_t, true, false, kAcc, kB>(s, b, e, tau, r, version);
-  }
-  return neg ? update_range_isa<scalar_t, false, true, kAcc, kB>(s, b, e, tau, r, version)
-             : update_range_isa<scalar_t, false, false, kAcc, kB>(s, b, e, tau, r, version);
-}
-
+// The element pass of one piece (see update_range in prunadag_kernels.inc).
 template <typename scalar_t>
 void update_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
-  if (version == 0) {
-    return update_range_v<scalar_t, false, false>(s, b, e, tau, r, version);
-  }
-  return version >= 3 ? update_range_v<scalar_t, true, true>(s, b, e, tau, r, version)
-                      : update_range_v<scalar_t, true, false>(s, b, e, tau, r, version);
+  kernels()->get<scalar_t>().update(s, b, e, tau, r, version);
 }
 
+// ||g||_R^2 and ||x||_M^2 over a piece (see norms_range in prunadag_kernels.inc).
 template <typename scalar_t>
 void norms_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double& g_r2, double& x_m2) {
-#if defined(PRUNOPT_PRUNADAG_X86)
-  if (use_avx512()) {
-    return avx512::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
-  }
-  if (use_avx2()) {
-    return avx2::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
-  }
-  return sse2::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
-#else
-  return generic::norms_range<scalar_t>(s, b, e, tau, g_r2, x_m2);
-#endif
+  kernels()->get<scalar_t>().norms(s, b, e, tau, g_r2, x_m2);
 }
 
 // ---------------------------------------------------------------- exact radix select (fallback)

@@ -157,6 +157,32 @@ def test_3x3_clones_agree_bitwise(rows, output_mask, mask, monkeypatch):
         _close(outs[0][2], exact_basis, torch.float32, 1 + scale)
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(9, 3, 3), (12, 5, 5), (4, 2, 2), (30, 1, 1), (16, 4, 4)])
+def test_generic_rows_clones_agree_bitwise(shape, dtype, monkeypatch):
+    """The generic row kernels on at::vec::Vectorized (AVX-512: 16 float / 8
+    double lanes, AVX2: 8 / 4, DEFAULT: 8 / 4 in arrays) take the same
+    operations per lane in the same order, so their rows give the same bits
+    whatever their width: forward, dL/dlam and dL/dg, with a mask, row counts
+    that leave chunk tails. (The float 3x3 basis takes its own AVX2 loops
+    except in the DEFAULT capability, so it is compared on float64 only.)"""
+    n, kh, kw = shape
+    coeff, basis, mu, gh = (t.to(dtype) for t in _case(37, 11, n, kh, kw, 0.5, torch.float64, 3, True))
+    outs = []
+    for isa in simd_clones(monkeypatch, default=True):
+        if dtype == torch.float32 and shape == (9, 3, 3) and isa != "default":
+            continue
+        h = torch.ops.prunopt.fb_reconstruct(coeff, basis, mu)
+        outs.append((h, *torch.ops.prunopt.fb_reconstruct_backward(gh, coeff, basis, mu, [True, True])))
+    assert len(outs) >= 1
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+    h_exact = fb_reconstruct_reference(coeff.double(), basis.double(), mu.double())
+    _close(outs[-1][0], h_exact, dtype, 1 + float(h_exact.abs().max()))
+
+
 def test_autograd_uses_the_fused_backward_and_is_masked():
     coeff, basis, mu, gh = _case(6, 4, 9, 3, 3, 0.4, torch.float64, 4)
     c = coeff.clone().requires_grad_()

@@ -803,15 +803,17 @@ def test_step_float32_shortcut_is_exact(version, eps):
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", ["default", "no_avx512"])
+@pytest.mark.parametrize("isa", ["default", "no_avx512", "no_simd"])
 @pytest.mark.parametrize("version", [2, 4])
 @pytest.mark.parametrize("eps", [1e-10, 0.0, 1e-3])
 def test_step_float32_acceptance_estimate_is_exact(version, eps, isa, monkeypatch):
     import numpy as np
+    monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+    monkeypatch.delenv("PRUNOPT_NO_SIMD", raising=False)
     if isa == "no_avx512":
         monkeypatch.setenv("PRUNOPT_NO_AVX512", "1")
-    else:
-        monkeypatch.delenv("PRUNOPT_NO_AVX512", raising=False)
+    elif isa == "no_simd":  # the DEFAULT capability's clone
+        monkeypatch.setenv("PRUNOPT_NO_SIMD", "1")
     rng = np.random.default_rng(2)
     n = 64 * 1024 + 11
     f = np.float32
@@ -851,24 +853,27 @@ def test_step_float32_acceptance_estimate_is_exact(version, eps, isa, monkeypatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("version", [0, 2, 3, 4])
 def test_step_simd_clones_agree(dtype, version, monkeypatch):
-    """The AVX-512 and AVX2 clones of the scan and the element pass (same
-    operations per element) give the same bits for versions 2 and 4; versions
-    that use the ratio r of two norms summed in SIMD lanes (relevant_only, 1,
-    3) agree to rounding (the lanes' summation order differs)."""
+    """The AVX-512, AVX2 and DEFAULT clones of the scan and the element pass
+    (same operations per element) give the same bits for versions 2 and 4;
+    versions that use the ratio r of two norms summed in SIMD lanes
+    (relevant_only, 1, 3) agree to rounding (the lanes' summation order
+    differs)."""
     xs, gs, so, sd = _large_step_case("list", dtype, seed=5)
     hypers = [TensorHyper(lr=0.3, k=2.0, lr_decay=0.1, weight_decay=0.01, eps=1e-8, maximize=False) for _ in xs]
     n = sum(x.numel() for x in xs)
     outs = []
-    for _ in simd_clones(monkeypatch):
+    for _ in simd_clones(monkeypatch, default=True):
         out = [[t.clone() for t in lst] for lst in (xs, so, sd)]
         torch.ops.prunopt.prunadag_step_(out[0], out[1], out[2], gs, _hyper_tensor(hypers), n // 10, version)
         outs.append(out)
-    for la, lb in zip(*outs):
-        for a, b in zip(la, lb):
-            if version in (2, 4):
-                assert torch.equal(a, b)
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0.0)
+    assert len(outs) == 3
+    for other in outs[1:]:
+        for la, lb in zip(outs[0], other):
+            for a, b in zip(la, lb):
+                if version in (2, 4):
+                    assert torch.equal(a, b)
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0.0)
 
 
 def test_reference_sqrt_is_correctly_rounded():
