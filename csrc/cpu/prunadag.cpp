@@ -661,6 +661,69 @@ void check_list(at::TensorList ts, const at::Tensor& ref, size_t count, const ch
   }
 }
 
+// params and grads of one dtype, device and layout (that of params[0]), each
+// grads[i] shaped like params[i].
+void check_pairs(at::TensorList params, at::TensorList grads, const char* op) {
+  const size_t nt = params.size();
+  check_list(params, params[0], nt, op, "params");
+  check_list(grads, params[0], nt, op, "grads");
+  for (size_t i = 0; i < nt; ++i) {
+    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
+        i, "] ", params[i].sizes());
+  }
+}
+
+// The segments of contiguous (x, g) lists with their rows of `hyper` (empty
+// tensors skipped; the tensors stay owned by the caller), the number of
+// pruned elements and whether a tensor has weight decay.
+struct ParamSegments {
+  std::vector<Seg> segs;
+  int64_t total = 0, n_pruned = 0;
+  bool any_wd = false;
+};
+
+ParamSegments param_segments(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& gs,
+    const double* hp) {
+  ParamSegments out;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i].numel() == 0) {
+      continue;
+    }
+    Seg sg{};
+    sg.x = const_cast<void*>(xs[i].data_ptr());
+    sg.g = gs[i].data_ptr();
+    sg.n = xs[i].numel();
+    sg.offset = out.total;
+    for (int c = 0; c < kHyperCols; ++c) {
+      sg.h[c] = hp[i * kHyperCols + c];
+    }
+    sg.prune = sg.h[kPrune] != 0.0;
+    out.any_wd |= sg.h[kWeightDecay] != 0.0;
+    out.n_pruned += sg.prune ? sg.n : 0;
+    out.segs.push_back(sg);
+    out.total += sg.n;
+  }
+  return out;
+}
+
+// A (params, grads, hyper) triple checked (check_pairs) and made contiguous,
+// with its segments (which point into xs and gs: kept together).
+struct PreparedPairs {
+  at::Tensor h;
+  std::vector<at::Tensor> xs, gs;
+  ParamSegments ps;
+};
+
+PreparedPairs prepare_pairs(at::TensorList params, at::TensorList grads, const at::Tensor& hyper, const char* op) {
+  check_pairs(params, grads, op);
+  PreparedPairs pp;
+  pp.h = hyper.contiguous();
+  pp.xs = contiguous_all(params);
+  pp.gs = contiguous_all(grads);
+  pp.ps = param_segments(pp.xs, pp.gs, pp.h.data_ptr<double>());
+  return pp;
+}
+
 at::Tensor topk_threshold_cpu(at::TensorList values, int64_t k) {
   const char* op = "topk_threshold";
   TORCH_CHECK_VALUE(!values.empty(), op, ": values must not be empty");
@@ -955,36 +1018,10 @@ at::Tensor prunadag_norms_cpu(at::TensorList params, at::TensorList grads, const
   }
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
       ": params must be float16, bfloat16, float32 or float64, got ", p0.scalar_type());
-  check_list(params, p0, nt, op, "params");
-  check_list(grads, p0, nt, op, "grads");
-  for (size_t i = 0; i < nt; ++i) {
-    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
-        i, "] ", params[i].sizes());
-  }
-  const at::Tensor h = hyper.contiguous();
-  const double* hp = h.data_ptr<double>();
-  const auto xs = contiguous_all(params), gs = contiguous_all(grads);
-  std::vector<Seg> segs;
-  int64_t total = 0, n_pruned = 0;
-  bool any_wd = false;
-  for (size_t i = 0; i < nt; ++i) {
-    if (params[i].numel() == 0) {
-      continue;
-    }
-    Seg sg{};
-    sg.x = const_cast<void*>(xs[i].data_ptr());
-    sg.g = gs[i].data_ptr();
-    sg.n = params[i].numel();
-    sg.offset = total;
-    for (int c = 0; c < kHyperCols; ++c) {
-      sg.h[c] = hp[i * kHyperCols + c];
-    }
-    sg.prune = sg.h[kPrune] != 0.0;
-    any_wd |= sg.h[kWeightDecay] != 0.0;
-    n_pruned += sg.prune ? sg.n : 0;
-    segs.push_back(sg);
-    total += sg.n;
-  }
+  const PreparedPairs pp = prepare_pairs(params, grads, hyper, op);
+  const auto& segs = pp.ps.segs;
+  const int64_t total = pp.ps.total, n_pruned = pp.ps.n_pruned;
+  const bool any_wd = pp.ps.any_wd;
   if (total == 0) {
     return out;
   }
@@ -1032,33 +1069,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cpu(at::TensorLi
   const auto& p0 = params[0];
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
       ": params must be float32 or float64, got ", p0.scalar_type());
-  check_list(params, p0, nt, op, "params");
-  check_list(grads, p0, nt, op, "grads");
-  for (size_t i = 0; i < nt; ++i) {
-    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
-        i, "] ", params[i].sizes());
-  }
-  const at::Tensor h = hyper.contiguous();
-  const double* hp = h.data_ptr<double>();
-  const auto xs = contiguous_all(params), gs = contiguous_all(grads);
-  std::vector<Seg> segs;
-  int64_t total = 0;
-  for (size_t i = 0; i < nt; ++i) {
-    if (params[i].numel() == 0) {
-      continue;
-    }
-    Seg sg{};
-    sg.x = const_cast<void*>(xs[i].data_ptr());
-    sg.g = gs[i].data_ptr();
-    sg.n = params[i].numel();
-    sg.offset = total;
-    for (int c = 0; c < kHyperCols; ++c) {
-      sg.h[c] = hp[i * kHyperCols + c];
-    }
-    sg.prune = sg.h[kPrune] != 0.0;
-    segs.push_back(sg);
-    total += sg.n;
-  }
+  const PreparedPairs pp = prepare_pairs(params, grads, hyper, op);
+  const auto& segs = pp.ps.segs;
+  const int64_t total = pp.ps.total;
   at::Tensor cand_g, cand_x;
   double* o = summary.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES(p0.scalar_type(), "prunadag_bracket", [&] {

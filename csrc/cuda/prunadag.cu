@@ -661,9 +661,9 @@ std::tuple<at::Tensor, at::Tensor> topk_bracket_cuda(at::TensorList values, doub
   return {above, cands};
 }
 
-at::Tensor prunadag_norms_cuda(at::TensorList params, at::TensorList grads, const at::Tensor& hyper,
-    const at::Tensor& tau) {
-  const char* op = "prunadag_norms";
+// params and grads of one length (not 0: the device is that of params[0])
+// and hyper float64 (len, kHyperCols) on that device.
+void check_lists_and_hyper(at::TensorList params, at::TensorList grads, const at::Tensor& hyper, const char* op) {
   const size_t nt = params.size();
   TORCH_CHECK_VALUE(grads.size() == nt, op, ": grads must have ", nt, " tensors, got ", grads.size());
   TORCH_CHECK_VALUE(nt > 0, op, ": params must not be empty on CUDA (the device is unknown)");
@@ -671,6 +671,14 @@ at::Tensor prunadag_norms_cuda(at::TensorList params, at::TensorList grads, cons
   TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
       hyper.size(1) == kHyperCols && hyper.device() == p0.device(), op, ": hyper must be a float64 tensor of shape (",
       nt, ", ", kHyperCols, ") on ", p0.device());
+}
+
+at::Tensor prunadag_norms_cuda(at::TensorList params, at::TensorList grads, const at::Tensor& hyper,
+    const at::Tensor& tau) {
+  const char* op = "prunadag_norms";
+  const size_t nt = params.size();
+  check_lists_and_hyper(params, grads, hyper, op);
+  const auto& p0 = params[0];
   TORCH_CHECK_VALUE(tau.scalar_type() == at::kDouble && tau.numel() == 1 && tau.device() == p0.device(), op,
       ": tau must be a one-element float64 tensor on ", p0.device());
   if (is_reduced_float(p0.scalar_type())) {
@@ -740,12 +748,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cuda(at::TensorL
     const at::Tensor& hyper, double lo, double hi) {
   const char* op = "prunadag_bracket";
   const size_t nt = params.size();
-  TORCH_CHECK_VALUE(grads.size() == nt, op, ": grads must have ", nt, " tensors, got ", grads.size());
-  TORCH_CHECK_VALUE(nt > 0, op, ": params must not be empty on CUDA (the device is unknown)");
+  check_lists_and_hyper(params, grads, hyper, op);
   const auto& p0 = params[0];
-  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 2 && hyper.size(0) == (int64_t)nt &&
-      hyper.size(1) == kHyperCols && hyper.device() == p0.device(), op, ": hyper must be a float64 tensor of shape (",
-      nt, ", ", kHyperCols, ") on ", p0.device());
   TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
   TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,

@@ -356,6 +356,20 @@ def check_prunadag_step(params, opt_sums, dec_sums, grads, hyper, version, found
 
 def check_prunadag_norms(params, grads, hyper, tau, op: str = "prunadag_norms") -> None:
     """The checks of ``prunadag_norms`` that need no data."""
+    nt = _check_lists_and_hyper(params, grads, hyper, op)
+    _tensor(tau, "tau", op)
+    if tau.dtype != torch.float64 or tau.numel() != 1:
+        raise ValueError(f"{op}: tau must be a one-element float64 tensor, got {tau.dtype} {list(tau.shape)}")
+    if not params:
+        return
+    p0 = _tensor(params[0], "params[0]", op)
+    if p0.dtype not in _PRUNADAG_DTYPES:
+        raise ValueError(f"{op}: params must be float16, bfloat16, float32 or float64, got {p0.dtype}")
+    _check_pairs(params, grads, p0, op)
+
+
+def _check_lists_and_hyper(params, grads, hyper, op: str) -> int:
+    """params and grads lists of one length ``nt`` and hyper float64 ``(nt, 6)``; returns ``nt``."""
     if not isinstance(params, (list, tuple)):
         raise ValueError(f"{op}: params must be a list of tensors, got {type(params).__name__}")
     nt = len(params)
@@ -366,14 +380,12 @@ def check_prunadag_norms(params, grads, hyper, tau, op: str = "prunadag_norms") 
     if hyper.dtype != torch.float64 or hyper.dim() != 2 or tuple(hyper.shape) != (nt, 6):
         raise ValueError(f"{op}: hyper must be a float64 tensor of shape ({nt}, 6), got {hyper.dtype} "
                          f"{list(hyper.shape)}")
-    _tensor(tau, "tau", op)
-    if tau.dtype != torch.float64 or tau.numel() != 1:
-        raise ValueError(f"{op}: tau must be a one-element float64 tensor, got {tau.dtype} {list(tau.shape)}")
-    if not params:
-        return
-    p0 = _tensor(params[0], "params[0]", op)
-    if p0.dtype not in _PRUNADAG_DTYPES:
-        raise ValueError(f"{op}: params must be float16, bfloat16, float32 or float64, got {p0.dtype}")
+    return nt
+
+
+def _check_pairs(params, grads, p0: Tensor, op: str) -> None:
+    """params and grads of the dtype, device and layout of ``p0``, each grads[i] shaped like params[i]."""
+    nt = len(params)
     _check_list(params, p0, nt, "params", op)
     _check_list(grads, p0, nt, "grads", op)
     for i in range(nt):
@@ -383,16 +395,7 @@ def check_prunadag_norms(params, grads, hyper, tau, op: str = "prunadag_norms") 
 
 def check_prunadag_bracket(params, grads, hyper, lo, hi, op: str = "prunadag_bracket") -> None:
     """The checks of ``prunadag_bracket`` that need no data."""
-    if not isinstance(params, (list, tuple)):
-        raise ValueError(f"{op}: params must be a list of tensors, got {type(params).__name__}")
-    nt = len(params)
-    if not isinstance(grads, (list, tuple)) or len(grads) != nt:
-        raise ValueError(f"{op}: grads must have {nt} tensors, got "
-                         f"{len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__}")
-    _tensor(hyper, "hyper", op)
-    if hyper.dtype != torch.float64 or hyper.dim() != 2 or tuple(hyper.shape) != (nt, 6):
-        raise ValueError(f"{op}: hyper must be a float64 tensor of shape ({nt}, 6), got {hyper.dtype} "
-                         f"{list(hyper.shape)}")
+    _check_lists_and_hyper(params, grads, hyper, op)
     if not (math.isfinite(lo) and lo >= 0.0):
         raise ValueError(f"{op}: lo must be finite and >= 0, got {lo}")
     if not hi >= lo:
@@ -402,11 +405,7 @@ def check_prunadag_bracket(params, grads, hyper, lo, hi, op: str = "prunadag_bra
     p0 = _tensor(params[0], "params[0]", op)
     if p0.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{op}: params must be float32 or float64, got {p0.dtype}")
-    _check_list(params, p0, nt, "params", op)
-    _check_list(grads, p0, nt, "grads", op)
-    for i in range(nt):
-        if grads[i].shape != params[i].shape:
-            raise ValueError(f"{op}: grads[{i}] must have the shape of params[{i}] {list(params[i].shape)}")
+    _check_pairs(params, grads, p0, op)
     if hyper.device != p0.device:
         raise ValueError(f"{op}: hyper must be on {p0.device}, got {hyper.device}")
     if not (representable(lo, p0.dtype) and representable(hi, p0.dtype)):

@@ -75,6 +75,17 @@ def topk_threshold(values: TensorOrList, k: int) -> Tensor:
     return _topk_threshold_reference(vals, k)
 
 
+def _check_bounds(lo, hi) -> None:
+    """``lo`` and ``hi`` real numbers within the float range."""
+    for name, b in (("lo", lo), ("hi", hi)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"{name} must be a real number, got {type(b).__name__}")
+        try:
+            float(b)
+        except OverflowError:  # an int beyond the float range
+            raise ValueError(f"{name} must be a float, got an integer beyond the float range") from None
+
+
 def topk_bracket(values: TensorOrList, lo: float, hi: float):
     r"""One pass over :math:`|v|` for a bracket ``[lo, hi]`` of a top-k
     threshold: ``(above, candidates)``, the number of :math:`|v| > hi` (an
@@ -100,13 +111,7 @@ def topk_bracket(values: TensorOrList, lo: float, hi: float):
         vals = list(values)
     else:
         raise TypeError("values must be a Tensor or a non-empty list/tuple of Tensors")
-    for name, b in (("lo", lo), ("hi", hi)):
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise TypeError(f"{name} must be a real number, got {type(b).__name__}")
-        try:
-            float(b)
-        except OverflowError:  # an int beyond the float range
-            raise ValueError(f"{name} must be a float, got an integer beyond the float range") from None
+    _check_bounds(lo, hi)
     if not (0.0 <= lo <= hi):
         raise ValueError(f"the bracket must satisfy 0 <= lo <= hi, got lo={lo}, hi={hi}")
     for i, v in enumerate(vals):
@@ -200,13 +205,7 @@ def prunadag_bracket(params: List[Tensor], grads: List[Tensor], hyper: Tensor, l
             raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
     if not isinstance(hyper, Tensor):
         raise TypeError(f"hyper must be a float64 tensor, got {type(hyper).__name__}")
-    for name, b in (("lo", lo), ("hi", hi)):
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise TypeError(f"{name} must be a real number, got {type(b).__name__}")
-        try:
-            float(b)
-        except OverflowError:  # an int beyond the float range
-            raise ValueError(f"{name} must be a float, got an integer beyond the float range") from None
+    _check_bounds(lo, hi)
     lo, hi = float(lo), float(hi)
     if params and params[0].device.type in _PRUNADAG_BRACKET_DEVICES:
         return torch.ops.prunopt.prunadag_bracket(list(params), list(grads), hyper, lo, hi)
