@@ -794,8 +794,8 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
     s_ge, s_lt = [], []  # the weights' sums of whole buckets above / below the threshold's
 
     def choose(v: Tensor, width: int, block: int, k_rem: int, last: bool) -> Tuple[int, int]:
-        hist = v[:1 << width].tolist()
-        b, k_rem = _choose_host(hist if weights is None else [int(x) for x in hist], k_rem)
+        hist = v[:1 << width]  # (float64 counts when weighted: exact below 2^53)
+        b, k_rem = _choose_host((hist if weights is None else hist.long()).tolist(), k_rem)
         if weights is not None:  # (the last pass's bucket holds tau itself: >= tau)
             s_ge.extend(v[block + b + (0 if last else 1):block + (1 << width)].tolist())
             s_lt.extend(v[2 * block:2 * block + b].tolist())

@@ -919,6 +919,41 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
   copy_back(sds, dec_sums);
 }
 
+// The one pass of topk_bracket and prunadag_bracket, per chunk: the count
+// above hi, the candidates in [lo, hi] (kX: with their x, and the norms'
+// sums outside the bracket) and the non-finite flag; segments that are not
+// pruned are only checked for finiteness.
+template <typename scalar_t, bool kX>
+std::vector<ScanOut<scalar_t>> bracket_scan(const std::vector<Seg>& segs, int64_t total, scalar_t lo, scalar_t hi) {
+  constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
+  std::vector<ScanOut<scalar_t>> outs(total > 0 ? num_chunks(total) : 0);
+  if (total == 0) {
+    return outs;
+  }
+  for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
+    ScanOut<scalar_t>& out = outs[ch];
+    scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
+    scalar_t* cx = kX ? scratch<scalar_t>(1, end - begin + kPad) : nullptr;
+    for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
+      if (s.prune) {
+        scan_range<scalar_t, kX, kX>(s, b, e, lo, hi, out, cg, cx);
+      } else {
+        ScanOut<scalar_t> check;  // finiteness only: everything is "below" +inf
+        scan_range<scalar_t, kX, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
+        out.bad |= check.bad;
+      }
+    });
+    if (out.ncand > 0 && !out.bad) {
+      out.cg.assign(cg, cg + out.ncand);
+      if (kX) {
+        out.cx.assign(cx, cx + out.ncand);
+      }
+    }
+  });
+  return outs;
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_bracket_cpu(at::TensorList values, double lo, double hi) {
   const char* op = "topk_bracket";
   TORCH_CHECK_VALUE(!values.empty(), op, ": values must not be empty");
@@ -950,21 +985,7 @@ std::tuple<at::Tensor, at::Tensor> topk_bracket_cpu(at::TensorList values, doubl
     const scalar_t lo_t = static_cast<scalar_t>(lo), hi_t = static_cast<scalar_t>(hi);
     TORCH_CHECK_VALUE(static_cast<double>(lo_t) == lo && static_cast<double>(hi_t) == hi, op,
         ": lo and hi must be values of the values' dtype, got lo=", lo, ", hi=", hi);
-    constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
-    const int64_t nchunks = total > 0 ? num_chunks(total) : 0;
-    std::vector<ScanOut<scalar_t>> outs(nchunks);
-    if (total > 0) {
-      for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
-        ScanOut<scalar_t>& out = outs[ch];
-        scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
-        for_each_piece(segs, begin, end, [&](const Seg& sg, int64_t b, int64_t e) {
-          scan_range<scalar_t, false, false>(sg, b, e, lo_t, hi_t, out, cg, nullptr);
-        });
-        if (out.ncand > 0 && !out.bad) {
-          out.cg.assign(cg, cg + out.ncand);
-        }
-      });
-    }
+    const auto outs = bracket_scan<scalar_t, false>(segs, total, lo_t, hi_t);
     int64_t n_above = 0, ncand = 0;
     bool bad = false;
     for (const auto& o : outs) {
@@ -1078,30 +1099,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prunadag_bracket_cpu(at::TensorLi
     const scalar_t lo_t = static_cast<scalar_t>(lo), hi_t = static_cast<scalar_t>(hi);
     TORCH_CHECK_VALUE(static_cast<double>(lo_t) == lo && static_cast<double>(hi_t) == hi, op,
         ": lo and hi must be values of the params' dtype, got lo=", lo, ", hi=", hi);
-    constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
-    constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
-    const int64_t nchunks = total > 0 ? num_chunks(total) : 0;
-    std::vector<ScanOut<scalar_t>> outs(nchunks);
-    if (total > 0) {
-      for_each_chunk(total, [&](int64_t ch, int64_t begin, int64_t end) {
-        ScanOut<scalar_t>& out = outs[ch];
-        scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
-        scalar_t* cx = scratch<scalar_t>(1, end - begin + kPad);
-        for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
-          if (s.prune) {
-            scan_range<scalar_t, true, true>(s, b, e, lo_t, hi_t, out, cg, cx);
-          } else {
-            ScanOut<scalar_t> check;  // finiteness only: everything is "below" +inf
-            scan_range<scalar_t, true, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
-            out.bad |= check.bad;
-          }
-        });
-        if (out.ncand > 0 && !out.bad) {
-          out.cg.assign(cg, cg + out.ncand);
-          out.cx.assign(cx, cx + out.ncand);
-        }
-      });
-    }
+    const auto outs = bracket_scan<scalar_t, true>(segs, total, lo_t, hi_t);
     int64_t n_above = 0, ncand = 0;
     double g2 = 0.0, x2 = 0.0;
     bool bad = false;
