@@ -492,10 +492,10 @@ _RADIX = {
     torch.bfloat16: _radix(torch.int16, 8, 7, (8, 7), 4),
 }
 # The first pass's vector: 2048 counts (padded for narrower first digits, so a
-# dtype that differs between ranks is caught instead of mismatching the sizes),
-# then n, k's limbs and their squares, the dtype code and its square, then (in
-# a select's first collective, whichever path) two slots per rank for the
-# bracket's ends (see _bracket_select).
+# dtype that differs between ranks is caught instead of mismatching the sizes;
+# more slots, unused here, beyond 29 ranks), then n, k's limbs and their
+# squares, the dtype code and its square, then two slots per rank, unused here:
+# the layout of every select's first collective (see _first_size).
 _META = 9
 # Devices where the candidates of a digit are compacted after each pass (on the
 # host the size of a compacted tensor is free to read); elsewhere every pass
@@ -576,17 +576,21 @@ def topk_threshold(values: TensorOrList, k: int, group: Group = None) -> Tensor:
     order like unsigned integers): each pass histograms the next digit (at most
     11 bits) of the candidates whose higher digits match the prefix chosen so
     far, sums the histogram over the ranks (one ``all_reduce`` of at most 2057
-    int64 plus 2 per rank, 16 KB and 16 bytes per rank), and picks the bucket
+    int64 plus 2 per rank up to 29 ranks, 16 KB and 16 bytes per rank; 72
+    bytes per rank beyond), and picks the bucket
     that holds the ``k``-th largest. The passes are fixed by the dtype: 3 for
     float32, 6 for float64, 2 for float16 and bfloat16 (times the number of
     sharded mesh dimensions). The first pass also sums the global ``n``, the
     count of non-finite values and ``k``, so every rank validates identically;
     on CUDA that is the one host synchronisation, the later passes choose
-    their buckets on the device. float32 and float64 on the CPU first bracket
-    the threshold from a sample of each shard (the first collective also
-    carries every rank's bracket) and run the radix passes only over the
-    values inside it (:func:`_bracket_select`): 2 to 4 collectives for
-    float32, 3 on typical data.
+    their buckets on the device. float32 and float64 on the CPU instead take
+    two rounds (:func:`_bracket_select`): each rank brackets its share of
+    the threshold from a sample and reads its values once, counting above the
+    bracket and histogramming inside it; one collective of every rank's
+    histogram gives all ranks a narrow bracket of the threshold, and radix
+    passes over the values inside it finish: 2 collectives when the ranks'
+    values are alike (FSDP2's shards of the same layers), up to 4 for float32
+    (7 for float64) and a second read on ranks whose own bracket missed.
 
     Args:
         values: a tensor or a list of tensors of one real floating dtype
@@ -644,56 +648,248 @@ def _select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = 
 # bracket's host reads)
 _BRACKET_DEVICES = frozenset({"cpu"})
 def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
-    """The sharded select through a bracket of the threshold, so that only the
-    elements inside it enter the radix passes.
+    """The sharded select in two rounds, so that one pass over the data and
+    usually two collectives give the exact threshold:
 
-    1. each rank brackets its own ``s``-th largest ``|v|``, ``t_r``, with
-       ``s = ceil(k / W)`` over ``W`` ranks (``t_r = 0`` where ``s > n_r``),
-       from a fixed strided sample of its values (:func:`_sample_bracket`: no
-       pass over the data; exact when the sample is the whole shard);
-       ``min t_r <= tau <= max t_r`` for any shard sizes: fewer than
-       ``W (s - 1) < k`` values exceed ``max t_r`` and at least ``W s >= k``
-       reach ``min t_r`` (equal shards make the bracket narrowest; uneven ones
-       only widen it). So ``[lo, hi] = [min lo_r, max hi_r]`` holds the
-       ``k``-th largest ``tau`` whenever every rank's sample bracket holds its
-       ``t_r``;
-    2. one ``all_reduce`` sums the global ``n`` and the agreement on ``k`` and
-       the dtype, and fills every rank's slots with every rank's ``lo_r`` and
-       ``hi_r`` (each rank writes only its own), so every rank knows ``n``,
-       ``lo`` and ``hi``;
-    3. ``prunopt.ops.topk_bracket`` (one fused pass) counts the values above
-       ``hi``, keeps the candidates inside ``[lo, hi]`` and checks finiteness;
-    4. the radix select of the ``(k - above)``-th largest among the
-       candidates, whose first pass also sums the counts of step 3 and the
-       non-finite flags. If the sums show that the bracket missed ``tau``
-       (every rank sees the same sums), the radix select runs over all the
-       values instead: the result is exact either way, only slower.
-    The bracket only saves work; its width depends on the sample and on how
-    alike the ranks' data are (at worst all of a rank's elements are
-    candidates)."""
-    dtype, device = local[0].dtype, local[0].device
+    1. each rank brackets its own ``s``-th largest ``|v|`` (``s = ceil(k /
+       W)`` over ``W`` ranks) from a fixed strided sample of its values
+       (:func:`_sample_bracket`; all of its values where ``s`` exceeds them),
+       widens the bracket to a grid of at most ``_rank_buckets(W)`` buckets of
+       ``2**j`` ulps aligned at multiples of ``2**j``, and in one fused pass
+       (``prunopt.ops.topk_bracket``) counts its values above the bracket,
+       keeps those inside it and checks finiteness; the candidates'
+       histogram on the grid is its *slice*;
+    2. one ``all_reduce`` sums ``n``, the agreement on ``k`` and the dtype,
+       and lays every rank's slice side by side (each rank writes only its
+       own), so every rank knows, for any bit pattern ``t``, bounds on the
+       global count of ``|v| >= t`` that are exact at each rank's grid
+       points (:func:`_bracket_of_slices`). The largest ``t`` whose lower
+       bound reaches ``k`` and the smallest whose upper bound falls below it
+       bracket the threshold ``tau`` exactly: ``[L, H]``, one bucket of the
+       ranks' grids when their brackets overlap around ``tau``;
+    3. each rank takes its values inside ``[L, H]`` and its count above ``H``
+       from its candidates (another fused pass only on a rank whose own
+       bracket does not cover ``[L, H]``, e.g. one whose data differ from the
+       others'), and :func:`_select_in_bracket` selects ``tau`` by radix
+       passes over them, usually one.
+
+    Exact whatever the samples: a poor bracket widens ``[L, H]`` (more radix
+    passes, a second pass over the data on some ranks), never the answer."""
+    dtype = local[0].dtype
+    spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
-    n_r = sum(v.numel() for v in keys)
-    lo_r, hi_r = _share_bracket(k, plan.world, n_r, lambda share: _sample_bracket(keys, share, n_r))
-    _, lo, hi = _meet(plan, k, n_r, dtype, lo_r, hi_r)
-    # 3) above the bracket, and the candidates inside it (one fused pass);
-    # a non-finite value is reported through the radix select's first pass
-    above, cands, bad = 0, [torch.empty(0, dtype=dtype, device=device)], False
-    if keys:
-        try:
-            count, inside = _topk_bracket(keys, lo, hi)
-            above, cands = int(count), [inside]
-        except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
-            bad = True
-    # 4) the radix select among the candidates (its first pass sums the counts)
-    if math.isinf(hi):
-        inner = _Plan(cands, [True] * len(cands), plan.groups, plan.world)
-        got = _radix_select(cands, inner, k, nonfinite_is_none, above=above, bad=bad)
-    else:
-        got = _select_in_bracket(cands[0], plan.groups, k, above, bad, lo, hi, nonfinite_is_none)
-    if got is _MISSED:  # the sample's bracket did not hold tau on some rank
+    world = plan.world
+    buckets = _rank_buckets(world)
+    own = _OwnSlice(keys, k, world, buckets, dtype)
+    # 2) the first collective: the slices, n and the agreement
+    area = _area(world)
+    vec = torch.zeros(_first_size(world), dtype=torch.int64)
+    at = _rank_index(plan.groups) * (buckets + _SLICE_HEAD)
+    vec[at:at + _SLICE_HEAD] = torch.tensor(own.head)
+    vec[at + _SLICE_HEAD:at + _SLICE_HEAD + own.hist.numel()] = own.hist
+    vec[area:area + _META] = torch.tensor(_meta(own.n_r, k, spec))
+    _all_reduce(vec, plan.groups)
+    n = _agreed_n(vec[area:area + _META].tolist(), k, world)
+    slices = _slices(vec, world, buckets)
+    if any(s.bad for s in slices):
+        if nonfinite_is_none:
+            return None
+        raise ValueError("values contain a non-finite value (on at least one rank)")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}], got {k}")
+    lo_bits, hi_bits = _bracket_of_slices(slices, k, n, _max_finite_bits(dtype))
+    # 3) this rank's candidates in [L, H], then the radix passes among them
+    above, cands = own.candidates(keys, lo_bits, hi_bits)
+    got = _select_in_bracket(cands, plan.groups, k, above, False, _bits_value(lo_bits, dtype),
+                             _bits_value(hi_bits, dtype), nonfinite_is_none)
+    if got is _MISSED:  # unreachable: [L, H] holds tau by construction (kept as a safe answer)
         return _radix_select(local, plan, k, nonfinite_is_none)
     return got
+
+
+# The first collective of a select, whichever path a rank takes (the radix
+# select, the bracketed select, prunAdag's fused select), has one layout, so
+# that ranks of different dtypes, which take different paths, still meet in one
+# collective of one size and all raise: an area (the radix select's 2048-bucket
+# histogram, or the bracketed select's per-rank slices), _META integers (n, k's
+# limbs and their squares, the dtype code and its square), then two slots per
+# rank (the bracket ends of prunAdag's fused select).
+_SLICE_HEAD = 6  # a slice: n_r, above, first grid point, log2 of the step, buckets, non-finite flag
+_MIN_RANK_BUCKETS = 64
+
+
+def _rank_buckets(world: int) -> int:
+    """Grid buckets per rank in the bracketed select's first collective: as
+    many as fit beside the other ranks' in 2048 slots, at least 64 (beyond 29
+    ranks the area grows by 70 slots per rank: 280 KB at 512 ranks)."""
+    return max(_MIN_RANK_BUCKETS, (1 << _HIST0_BITS) // world - _SLICE_HEAD)
+
+
+def _area(world: int) -> int:
+    return max(1 << _HIST0_BITS, world * (_rank_buckets(world) + _SLICE_HEAD))
+
+
+def _first_size(world: int) -> int:
+    """The int64 entries of a select's first collective over ``world`` ranks."""
+    return _area(world) + _META + 2 * world
+
+
+def _meta(n_r: int, k: int, spec: _Radix) -> List[int]:
+    """The agreement fields of a first collective: ``n_r``, ``k``'s limbs and
+    their squares, the dtype's code and its square."""
+    k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
+    return [n_r] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2]
+
+
+def _agreed_n(meta: Sequence[int], k: int, world: int) -> int:
+    """The global ``n`` from a first collective's summed agreement fields,
+    after checking that the dtype and ``k`` are the same on every rank
+    (``ValueError`` on every rank alike)."""
+    if not _limbs_agree(meta[7:8], meta[8:9], world):
+        raise ValueError("values must have one dtype on every rank")
+    if not _limbs_agree(meta[1:4], meta[4:7], world):
+        raise ValueError(f"k must be the same on every rank, got {k} on this one")
+    return int(meta[0])
+
+
+_STRUCT = {torch.float32: ("<f", "<I"), torch.float64: ("<d", "<Q")}
+
+
+def _value_bits(x: float, dtype: torch.dtype) -> int:
+    """The bit pattern of ``|x|`` in ``dtype`` (float32 or float64; ``x`` a
+    value of that dtype)."""
+    f, i = _STRUCT[dtype]
+    return struct.unpack(i, struct.pack(f, x))[0] & ((1 << _RADIX[dtype].nbits) - 1)
+
+
+def _bits_value(b: int, dtype: torch.dtype) -> float:
+    f, i = _STRUCT[dtype]
+    return struct.unpack(f, struct.pack(i, b))[0]
+
+
+def _max_finite_bits(dtype: torch.dtype) -> int:
+    return _value_bits(torch.finfo(dtype).max, dtype)
+
+
+class _OwnSlice:
+    """Step 1 of :func:`_bracket_select` on this rank: the grid-aligned bracket
+    ``[start, stop)`` (bit patterns; ``2**j`` per bucket, ``buckets`` at
+    most), the fused pass over ``keys`` (the count above the bracket, the
+    candidates inside it, the non-finite flag) and the candidates' histogram;
+    ``head`` is the slice's fixed fields."""
+
+    def __init__(self, keys: List[Tensor], k: int, world: int, buckets: int, dtype: torch.dtype):
+        self.dtype, self.n_r = dtype, sum(v.numel() for v in keys)
+        self.above, self.start, self.stop, self.j, self.bad = 0, 0, 0, 0, False
+        self.inside = torch.empty(0, dtype=dtype)
+        self.hist = torch.zeros(0, dtype=torch.int64)
+        if not self.n_r:
+            self.head = [0] * _SLICE_HEAD
+            return
+        share = -(-k // world)
+        top = _max_finite_bits(dtype)
+        # all of this rank's values where its share exceeds them (or k is out
+        # of range, which the collective reports on every rank)
+        lo, hi = _sample_bracket(keys, share, self.n_r) if 1 <= share <= self.n_r else (0.0, math.inf)
+        first, end = _value_bits(lo, dtype), min(_value_bits(hi, dtype), top) + 1
+        j = max(0, ((end - first - 1) // buckets).bit_length() - 1)
+        while -(-end >> j) - (first >> j) > buckets:
+            j += 1
+        self.j, self.start, self.stop = j, (first >> j) << j, -(-end >> j) << j
+        try:
+            count, self.inside = _topk_bracket(keys, _bits_value(self.start, dtype),
+                                               _bits_value(min(self.stop - 1, top), dtype))
+            self.above = int(count)
+        except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
+            self.bad = True
+        nb = (self.stop - self.start) >> j
+        if self.inside.numel():
+            off = self.inside.view(_RADIX[dtype].int_dtype).sub(self.start).bitwise_right_shift_(j)
+            self.hist = torch.bincount(off, minlength=nb)
+        self.head = [self.n_r, self.above, self.start, j, nb, int(self.bad)]
+
+    def candidates(self, keys: List[Tensor], lo_bits: int, hi_bits: int) -> Tuple[int, Tensor]:
+        """This rank's count of ``|v| > H`` and its ``|v|`` in ``[L, H]`` (bit
+        patterns ``lo_bits``, ``hi_bits``): from the candidates when the
+        bracket covers ``[L, H]``, else from another fused pass."""
+        if not self.n_r:
+            return 0, self.inside
+        lo, hi = _bits_value(lo_bits, self.dtype), _bits_value(hi_bits, self.dtype)
+        covered = self.start <= lo_bits and hi_bits < self.stop
+        count, inside = _topk_bracket([self.inside] if covered else keys, lo, hi)
+        return int(count) + (self.above if covered else 0), inside
+
+
+class _Slice:
+    """A rank's slice of the bracketed select's first collective, read back:
+    ``ge[i]``, the exact count of its ``|v| >= start + i 2**j`` at its grid
+    points (``i = 0..buckets``), gives bounds on its count of ``|v| >= t``
+    for any bit pattern ``t``."""
+
+    def __init__(self, head: Sequence[int], ge: Sequence[int]):
+        self.n_r, self.above, self.start, self.j, nb, self.bad = (int(x) for x in head)
+        self.stop = self.start + (nb << self.j)
+        self.ge = ge
+
+    def lower(self, t: int) -> int:
+        """A lower bound on this rank's count of ``|v| >= t`` (bit pattern ``t > 0``)."""
+        if not self.n_r or t > self.stop:
+            return 0
+        if t <= self.start:
+            return self.ge[0]
+        return self.ge[-(-(t - self.start) >> self.j)]
+
+    def upper(self, t: int) -> int:
+        """An upper bound on this rank's count of ``|v| >= t``."""
+        if t < self.start:
+            return self.n_r
+        if t >= self.stop:
+            return self.above if self.n_r else 0
+        return self.ge[(t - self.start) >> self.j]
+
+
+def _slices(area: Tensor, world: int, buckets: int) -> List[_Slice]:
+    """Every rank's :class:`_Slice` from the summed area of the first collective."""
+    rows = area[:world * (buckets + _SLICE_HEAD)].view(world, buckets + _SLICE_HEAD)
+    heads = rows[:, :_SLICE_HEAD]
+    # ge[:, i] = above + the counts of buckets >= i (buckets past a rank's own are 0)
+    ge = torch.cat([rows[:, _SLICE_HEAD:].flip(1).cumsum(1).flip(1), torch.zeros(world, 1, dtype=rows.dtype)], 1)
+    ge += heads[:, 1:2]
+    return [_Slice(h, g) for h, g in zip(heads.tolist(), ge.tolist())]
+
+
+def _bracket_of_slices(slices: Sequence[_Slice], k: int, n: int, top: int) -> Tuple[int, int]:
+    """``[L, H]`` (bit patterns, ``H <= top``, the largest finite) holding the
+    ``k``-th largest ``|v|`` ``tau`` of ``n`` (``1 <= k <= n``), from every
+    rank's slice: ``L`` the largest ``t`` where the summed lower bounds reach
+    ``k`` (at least ``k`` values are ``>= L``, so ``tau >= L``), ``H + 1`` the
+    smallest where the summed upper bounds are below ``k`` (fewer than ``k``
+    values are ``>= H + 1``, so ``tau <= H``). Both sums are non-increasing
+    in ``t``: two binary searches over the bit patterns ``[0, top + 1]``, the
+    same integers on every rank."""
+
+    def lower(t: int) -> int:
+        return n if t == 0 else sum(s.lower(t) for s in slices)
+
+    def upper(t: int) -> int:
+        return 0 if t > top else sum(s.upper(t) for s in slices)
+
+    lo, hi = 0, top + 1  # lower(0) = n >= k: the largest t with lower(t) >= k
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if lower(mid) >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    first = lo
+    lo, hi = 0, top + 1  # upper(top + 1) = 0 < k: the smallest t with upper(t) < k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if upper(mid) < k:
+            hi = mid
+        else:
+            lo = mid + 1
+    return first, lo - 1
 
 
 def _share_bracket(k: int, world: int, n_r: int, bracket) -> Tuple[float, float]:
@@ -710,31 +906,26 @@ def _share_bracket(k: int, world: int, n_r: int, bracket) -> Tuple[float, float]
 
 
 def _meet(plan: _Plan, k: int, n_r: int, dtype: torch.dtype, lo_r: float, hi_r: float) -> Tuple[int, float, float]:
-    """Step 2 of :func:`_bracket_select`, the first collective: the global
-    ``n`` and the bracket ``[lo, hi]`` over every rank, after checking that
-    ``k`` and the dtype agree and that ``1 <= k <= n`` (``ValueError`` on
-    every rank alike). Laid out as the radix select's first vector (a zero
-    histogram, then the same agreement fields and slots), so that ranks of
-    different dtypes, which take different paths, still meet in one collective
-    of one size and all raise."""
+    """The first collective of prunAdag's fused select: the global ``n`` and
+    the bracket ``[lo, hi] = [min lo_r, max hi_r]`` over every rank (each
+    rank's ends in its two slots), after checking that ``k`` and the dtype
+    agree and that ``1 <= k <= n`` (``ValueError`` on every rank alike). In
+    the layout of every select's first collective (:func:`_first_size`), so
+    that ranks of different dtypes, which take different paths, still meet in
+    one collective of one size and all raise."""
     spec = _RADIX[dtype]
     me, ranks = _rank_index(plan.groups), plan.world
-    k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
-    head = (1 << _HIST0_BITS) + _META
-    vec = torch.zeros(head + 2 * ranks, dtype=torch.int64)
-    vec[1 << _HIST0_BITS:head] = torch.tensor([n_r] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2])
+    head = _area(ranks) + _META
+    vec = torch.zeros(_first_size(ranks), dtype=torch.int64)
+    vec[_area(ranks):head] = torch.tensor(_meta(n_r, k, spec))
     vec[head + 2 * me] = _f2b(lo_r)
     vec[head + 2 * me + 1] = _f2b(hi_r)
-    tail = _all_reduce(vec, plan.groups)[1 << _HIST0_BITS:].tolist()
-    meta, ends = tail[:_META], [_b2f(b) for b in tail[_META:]]
-    if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
-        raise ValueError("values must have one dtype on every rank")
-    if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
-        raise ValueError(f"k must be the same on every rank, got {k} on this one")
-    n = int(meta[0])
+    tail = _all_reduce(vec, plan.groups)[_area(ranks):].tolist()
+    n, ends = _agreed_n(tail[:_META], k, ranks), [_b2f(b) for b in tail[_META:]]
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
     return n, max(min(ends[0::2]), 0.0), max(ends[1::2])
+
 
 def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: bool, lo: float, hi: float,
                        nonfinite_is_none: bool, weights: Optional[Tuple[Tensor, Tensor]] = None,
@@ -831,32 +1022,49 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
 # standard deviations of a binomial count (plus a few ranks) either side of the
 # share.
 _SAMPLE_MIN, _SAMPLE_MAX, _SAMPLE_BLOCK = 1 << 15, 1 << 20, 128
+_SAMPLE_SCALE = 6.0
 _SAMPLE_SIGMAS = 5.0
 # _radix_select's answer when the bracket missed (see _bracket_select)
 _MISSED = object()
 
 
-def _sample_parts(keys: List[Tensor], n_r: int) -> List[Tensor]:
-    """A fixed sample of the flat ``keys`` (``n_r`` values in all), one piece
-    per key (the keys themselves when they are few); tensors of one shape
-    sampled alike give the same elements."""
-    size = min(max(int((6 * n_r) ** (2 / 3)), _SAMPLE_MIN), _SAMPLE_MAX)
+def _sample_views(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> List[Tensor]:
+    """Strided views of a fixed sample of the flat ``keys`` (``n_r`` values in
+    all), one per key (the keys themselves when they are few): about
+    ``(scale n_r)^(2/3)`` values within ``[_SAMPLE_MIN, _SAMPLE_MAX]``, blocks
+    of ``_SAMPLE_BLOCK`` contiguous values at a fixed stride; tensors of one
+    shape are sampled alike."""
+    scale = _SAMPLE_SCALE if scale is None else scale
+    size = min(max(int((scale * n_r) ** (2 / 3)), _SAMPLE_MIN), _SAMPLE_MAX)
     if n_r <= size:
         return list(keys)
     every = n_r // size  # one value (one block) in `every`
-    parts = []
+    views = []
     for v in keys:
         nb = v.numel() // _SAMPLE_BLOCK
         if nb >= every:
-            parts.append(v[:nb * _SAMPLE_BLOCK].view(nb, _SAMPLE_BLOCK)[every // 2::every].reshape(-1))
+            views.append(v[:nb * _SAMPLE_BLOCK].view(nb, _SAMPLE_BLOCK)[every // 2::every])
         else:
-            parts.append(v[every // 2::every])
-    return parts
+            views.append(v[every // 2::every])
+    return views
 
 
-def _sample(keys: List[Tensor], n_r: int) -> Tensor:
-    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few)."""
-    return torch.cat(_sample_parts(keys, n_r)).abs()
+def _sample_parts(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> List[Tensor]:
+    """:func:`_sample_views` flattened (copies)."""
+    return [v.reshape(-1) for v in _sample_views(keys, n_r, scale)]
+
+
+def _sample(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> Tensor:
+    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few),
+    written once into one new tensor (each copy of a sample of a large shard
+    pays for fresh pages)."""
+    views = _sample_views(keys, n_r, scale)
+    out = torch.empty(sum(v.numel() for v in views), dtype=keys[0].dtype, device=keys[0].device)
+    at = 0
+    for v in views:
+        torch.abs(v, out=out[at:at + v.numel()].view(v.shape))
+        at += v.numel()
+    return out
 
 
 def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, float]:
@@ -920,26 +1128,21 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: b
     w0 = spec.widths[0]
     shift = spec.nbits - w0
     extra = 0 if above is None else 1
-    # a select's first collective (above is None) has the bracket path's slots, unused here
-    slots = 2 * plan.world if above is None else 0
-    vec = torch.zeros((1 << _HIST0_BITS) + _META + extra + slots, dtype=torch.int64, device=device)
+    # a select's first collective (above is None) has the layout of every path's (see _first_size)
+    meta_at = _area(plan.world) if above is None else 1 << _HIST0_BITS
+    size = _first_size(plan.world) if above is None else meta_at + _META + extra
+    vec = torch.zeros(size, dtype=torch.int64, device=device)
     top = _TopDigit(keys, shift, w0, chunked=compact)
     vec[:1 << w0] = top.histogram()
-    k_limbs = _limbs(min(max(k, 0), (1 << 63) - 1), 3, 21)
-    meta = [sum(b.numel() for b in keys)] + k_limbs + [x * x for x in k_limbs] + [spec.code, spec.code ** 2]
-    meta += [] if above is None else [above]
+    meta = _meta(sum(b.numel() for b in keys), k, spec) + ([] if above is None else [above])
     for j, m in enumerate(meta):
-        vec[(1 << _HIST0_BITS) + j].fill_(m)
+        vec[meta_at + j].fill_(m)
     if bad:  # counted as an element of a non-finite digit, so every rank sees it
         vec[spec.nonfinite_digit] += 1
     _all_reduce(vec, plan.groups)
     tail = vec[spec.nonfinite_digit:].tolist()  # the one read back (host sync on CUDA)
-    meta = tail[(1 << _HIST0_BITS) - spec.nonfinite_digit:][:_META + extra]
-    if not _limbs_agree(meta[7:8], meta[8:9], plan.world):
-        raise ValueError("values must have one dtype on every rank")
-    if not _limbs_agree(meta[1:4], meta[4:7], plan.world):
-        raise ValueError(f"k must be the same on every rank, got {k} on this one")
-    n = int(meta[0])
+    meta = tail[meta_at - spec.nonfinite_digit:][:_META + extra]
+    n = _agreed_n(meta, k, plan.world)
     if sum(tail[:(1 << w0) - spec.nonfinite_digit]):
         if nonfinite_is_none:
             return None

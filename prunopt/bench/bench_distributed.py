@@ -320,6 +320,7 @@ def _ring_bytes(kind: str, payload: float, ranks: int) -> float:
 
 
 def run(quick: bool = False, threads: int = 2, out=None) -> str:
+    from prunopt import distributed as D
     from prunopt.ops import project_budget, topk_threshold
 
     torch.set_num_threads(threads)
@@ -375,8 +376,10 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             # the baselines move all N values (the gathered tensor, the dense scores) whatever the ranks
             payload = r0["bytes"] * WORLD if kind == "all_gather" else r0["bytes"]
             for w in MODEL_RANKS:
-                # the sharded threshold's first call carries two 8-byte slots per rank
-                grown = payload + (16 * (w - WORLD) if (op, name) == ("threshold", "sharded") else 0)
+                # the sharded threshold's first call grows with the ranks (two 8-byte slots per rank, and
+                # beyond 29 ranks a 70-slot histogram slice per rank: prunopt.distributed._first_size)
+                grown = payload + (8 * (D._first_size(w) - D._first_size(WORLD))
+                                   if (op, name) == ("threshold", "sharded") else 0)
                 rows.append({"n": n, "op": op, "contender": f"model: {name}", "ranks": w, "time_ms": "",
                              "vs_one_process": "", "collectives_per_call": r0["calls"],
                              "payload_bytes_per_rank": _ring_bytes(kind, grown, w)})
@@ -389,7 +392,8 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
-             "payload does not depend on N (the threshold's first call carries 16 bytes per rank: 2 slots). "
+             "payload does not depend on N (the threshold's first call carries 16 bytes per rank, 2 slots, and "
+             "beyond 29 ranks a 70-entry slice per rank, 560 bytes). "
              "Targets: sharded bytes per rank per call independent of N (<= 1 MB); the 2-rank sharded threshold "
              "<= 1.5x the one-process time on the same N. "
              "vs_one_process_1_thread: against the one-process op on one thread (a loaded host inflates the "

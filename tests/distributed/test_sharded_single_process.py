@@ -237,30 +237,129 @@ def test_bracket_select_from_a_strided_sample(case):
     assert got.view(_INT[dtype]).item() == want.view(_INT[dtype]).item(), (k, got, want)
 
 
-@pytest.mark.parametrize("where", ["above", "below"])
-def test_bracket_select_falls_back_when_the_bracket_misses(monkeypatch, where):
-    """A sample bracket that does not hold the threshold (forced here) is seen
-    in the summed counts, and the radix select over all values answers."""
-    g = torch.Generator().manual_seed(5)
-    vals = [torch.randn(5000, generator=g), torch.randn(777, generator=g)]
-    k = 1234
-    want = one_threshold(vals, k)
-    top = float(torch.cat(vals).abs().max())
-    bracket = (top, top) if where == "above" else (0.0, 0.0)
-    monkeypatch.setattr(D, "_sample_bracket", lambda keys, share, n_r: bracket)
-    calls = []
-    inner, radix = D._select_in_bracket, D._radix_select
+def _simulated_ranks(ranks, k, dtype):
+    """The bracketed select over ``ranks`` (a list of value lists, one per
+    simulated rank) with its collectives done by hand: every rank's slice,
+    the bracket ``[L, H]`` every rank derives from all slices, and each rank's
+    count above ``H`` and candidates inside it (what the radix passes then
+    select among)."""
+    world = len(ranks)
+    buckets = D._rank_buckets(world)
+    keys = [[v.reshape(-1) for v in r if v.numel()] for r in ranks]
+    owns = [D._OwnSlice(kk, k, world, buckets, dtype) for kk in keys]
+    # the first collective: each rank's slice in its place of the summed vector
+    area = torch.zeros(D._area(world), dtype=torch.int64)
+    for r, o in enumerate(owns):
+        at = r * (buckets + D._SLICE_HEAD)
+        area[at:at + D._SLICE_HEAD] = torch.tensor(o.head)
+        area[at + D._SLICE_HEAD:at + D._SLICE_HEAD + o.hist.numel()] = o.hist
+    slices = D._slices(area, world, buckets)
+    n = sum(o.n_r for o in owns)
+    lo, hi = D._bracket_of_slices(slices, k, n, D._max_finite_bits(dtype))
+    parts = [o.candidates(kk, lo, hi) for o, kk in zip(owns, keys)]
+    return owns, lo, hi, sum(a for a, _ in parts), torch.cat([c.reshape(-1) for _, c in parts])
 
-    def in_bracket(*a, **kw):
-        got = inner(*a, **kw)
-        calls.append("missed" if got is D._MISSED else "found")
-        return got
 
-    monkeypatch.setattr(D, "_select_in_bracket", in_bracket)
-    monkeypatch.setattr(D, "_radix_select", lambda local, *a, **kw: calls.append(len(local)) or radix(local, *a, **kw))
-    got = D._bracket_select(vals, _one_process_plan(vals), k)
-    assert got.view(torch.int32).item() == want.view(torch.int32).item()
-    assert calls == ["missed", 2]  # the candidates first, then the radix select over all values
+def _bits(t):
+    return t.view(_INT[t.dtype]).item()
+
+
+@st.composite
+def ranks_case(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    sizes = draw(st.lists(st.sampled_from([0, 1, 3, 100, 700, 3000]), min_size=1, max_size=5))
+    kind = draw(st.sampled_from(["randn", "ties", "zeros", "tiny", "huge", "one_value"]))
+    # rank r's values scaled by scales[r]: unlike ranks, whose own brackets miss the threshold
+    scales = draw(st.lists(st.sampled_from([1.0, 1.0, 1.0, 0.5, 4.0, 1e-3]), min_size=len(sizes),
+                           max_size=len(sizes)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    kpos = draw(st.floats(0.0, 1.0))
+    return dtype, sizes, kind, scales, seed, kpos
+
+
+@settings(max_examples=80, deadline=None)
+@given(ranks_case())
+@example((torch.float32, [3000, 3000, 3000], "randn", [1.0, 1.0, 1.0], 0, 0.1))
+@example((torch.float32, [3000, 3000], "randn", [1.0, 4.0], 1, 0.1))
+@example((torch.float64, [3000, 0, 1], "ties", [1.0, 1.0, 1e-3], 2, 1.0))
+@example((torch.float32, [700, 3000], "one_value", [1.0, 1.0], 3, 0.5))
+def test_bracket_of_the_slices_holds_the_threshold(case):
+    """Several ranks simulated in one process, with a sample smaller than the
+    shards: the bracket [L, H] every rank derives from the slices holds the
+    k-th largest, and the candidates inside it (with the counts above it)
+    select it bit for bit, whether the ranks' own brackets hold it or not
+    (unlike ranks take a second pass)."""
+    dtype, sizes, kind, scales, seed, kpos = case
+    ranks = [[v * s] for v, s in zip(_threshold_data(dtype, sizes, kind, seed), scales)]
+    n = sum(sizes)
+    if n == 0:
+        return
+    k = min(n, 1 + int(kpos * n))
+    want = one_threshold([r[0] for r in ranks], k)
+    saved = D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK
+    D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = 64, 64, 4
+    try:
+        owns, lo, hi, above, cands = _simulated_ranks(ranks, k, dtype)
+    finally:
+        D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = saved
+    assert lo <= _bits(want) <= hi
+    assert above < k <= above + cands.numel()
+    got = torch.kthvalue(cands, cands.numel() - (k - above) + 1).values
+    assert _bits(got) == _bits(want), (k, got, want)
+
+
+def test_alike_ranks_need_one_pass_and_one_bucket():
+    """Ranks whose values are alike (FSDP2's shards of the same layers): the
+    bracket is one bucket of the ranks' common grid, no rank reads its values
+    a second time, and one radix pass (at most 2048 buckets) finishes."""
+    g = torch.Generator().manual_seed(11)
+    ranks = [[torch.randn(200_000, generator=g)] for _ in range(2)]
+    k = 40_000
+    passes = []
+    inner = D._topk_bracket
+    D._topk_bracket = lambda keys, lo, hi: passes.append(keys[0].numel()) or inner(keys, lo, hi)
+    try:
+        owns, lo, hi, above, cands = _simulated_ranks(ranks, k, torch.float32)
+    finally:
+        D._topk_bracket = inner
+    assert passes.count(200_000) == 2  # one fused pass over the values per rank (the others: over candidates)
+    assert len({o.j for o in owns}) == 1 and hi - lo + 1 == 1 << owns[0].j <= 1 << D._HIST0_BITS
+    want = one_threshold([r[0] for r in ranks], k)
+    assert _bits(torch.kthvalue(cands, cands.numel() - (k - above) + 1).values) == _bits(want)
+
+
+@pytest.mark.parametrize("scale,rereads", [(1.0, 0), (1.05, 3), (0.01, 3), (100.0, 3)])
+def test_ranks_whose_bracket_misses_read_their_values_again(scale, rereads):
+    """Two alike ranks and a third one scaled by ``scale``. Alike, every
+    rank's bracket of its equal share holds the threshold: one pass each.
+    Values 5% larger, or 100x smaller or larger, on the third rank move the
+    threshold out of every rank's own bracket, so [L, H] spans from one
+    bracket to another and every rank reads its values a second time:
+    slower, still exact. (Each rank brackets k / W of its values: shards of
+    unequal sizes miss in the same way.)"""
+    g = torch.Generator().manual_seed(12)
+    ranks = [[torch.randn(50_000, generator=g)], [torch.randn(50_000, generator=g)]]
+    ranks.append([torch.randn(50_000, generator=g) * scale])
+    k = 20_000
+    passes = []
+    inner = D._topk_bracket
+    D._topk_bracket = lambda keys, lo, hi: passes.append(keys[0].numel()) or inner(keys, lo, hi)
+    try:
+        owns, lo, hi, above, cands = _simulated_ranks(ranks, k, torch.float32)
+    finally:
+        D._topk_bracket = inner
+    missed = [not (o.start <= lo and hi < o.stop) for o in owns]
+    assert sum(missed) == rereads and passes.count(50_000) == 3 + rereads  # (the others: over candidates)
+    want = one_threshold([r[0] for r in ranks], k)
+    assert _bits(torch.kthvalue(cands, cands.numel() - (k - above) + 1).values) == _bits(want)
+
+
+def test_rank_buckets_fit_the_first_collective():
+    for world in (1, 2, 3, 8, 29, 30, 64, 512):
+        b = D._rank_buckets(world)
+        assert b >= 64 and world * (b + D._SLICE_HEAD) <= D._area(world)
+        assert D._area(world) == 2048 or b == 64  # 2048 slots until the 64-bucket floor
+    assert D._first_size(2) == 2048 + 9 + 4
 
 
 def test_bracket_select_non_finite():
