@@ -308,6 +308,19 @@ def test_bracket_of_the_slices_holds_the_threshold(case):
     assert _bits(got) == _bits(want), (k, got, want)
 
 
+def _counting_passes(ranks, k):
+    """:func:`_simulated_ranks` in float32, with the size of the first tensor
+    of every fused bracket pass it makes (over a rank's values or over its
+    candidates)."""
+    passes = []
+    inner = D._topk_bracket
+    D._topk_bracket = lambda keys, lo, hi: passes.append(keys[0].numel()) or inner(keys, lo, hi)
+    try:
+        return _simulated_ranks(ranks, k, torch.float32) + (passes,)
+    finally:
+        D._topk_bracket = inner
+
+
 def test_alike_ranks_need_one_pass_and_one_bucket():
     """Ranks whose values are alike (FSDP2's shards of the same layers): the
     bracket is one bucket of the ranks' common grid, no rank reads its values
@@ -315,13 +328,7 @@ def test_alike_ranks_need_one_pass_and_one_bucket():
     g = torch.Generator().manual_seed(11)
     ranks = [[torch.randn(200_000, generator=g)] for _ in range(2)]
     k = 40_000
-    passes = []
-    inner = D._topk_bracket
-    D._topk_bracket = lambda keys, lo, hi: passes.append(keys[0].numel()) or inner(keys, lo, hi)
-    try:
-        owns, lo, hi, above, cands = _simulated_ranks(ranks, k, torch.float32)
-    finally:
-        D._topk_bracket = inner
+    owns, lo, hi, above, cands, passes = _counting_passes(ranks, k)
     assert passes.count(200_000) == 2  # one fused pass over the values per rank (the others: over candidates)
     assert len({o.j for o in owns}) == 1 and hi - lo + 1 == 1 << owns[0].j <= 1 << D._HIST0_BITS
     want = one_threshold([r[0] for r in ranks], k)
@@ -341,13 +348,7 @@ def test_ranks_whose_bracket_misses_read_their_values_again(scale, rereads):
     ranks = [[torch.randn(50_000, generator=g)], [torch.randn(50_000, generator=g)]]
     ranks.append([torch.randn(50_000, generator=g) * scale])
     k = 20_000
-    passes = []
-    inner = D._topk_bracket
-    D._topk_bracket = lambda keys, lo, hi: passes.append(keys[0].numel()) or inner(keys, lo, hi)
-    try:
-        owns, lo, hi, above, cands = _simulated_ranks(ranks, k, torch.float32)
-    finally:
-        D._topk_bracket = inner
+    owns, lo, hi, above, cands, passes = _counting_passes(ranks, k)
     missed = [not (o.start <= lo and hi < o.stop) for o in owns]
     assert sum(missed) == rereads and passes.count(50_000) == 3 + rereads  # (the others: over candidates)
     want = one_threshold([r[0] for r in ranks], k)
