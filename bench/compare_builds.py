@@ -9,7 +9,8 @@ fresh worker process that loads one library with ``torch.ops.load_library``
 taken in turn for ``--rounds`` rounds, so a burst of load on a shared machine
 hits them alike, and each keeps its smallest median per case. The table gives
 those medians and the ratio of every contender to the first (> 1: slower than
-the first).
+the first; ``--vs LABEL=BASE`` takes LABEL's ratio against BASE instead), with
+the range of that ratio within each round (the spread the host left).
 
 A contender is ``LABEL=PATH`` or ``LABEL=PATH:VAR=VALUE,...`` (environment of
 its workers, e.g. ``PRUNOPT_NO_AVX512=1`` to run a build's AVX2 clone)::
@@ -118,8 +119,26 @@ def _fb_reconstruct_cases(torch, dtype):
                lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
 
 
+def _fb_reconstruct_3x3_cases(torch, dtype):
+    ops = torch.ops.prunopt
+    gen = torch.Generator().manual_seed(0)
+    dn = str(dtype).replace("torch.", "")
+    # the 3x3 basis (N = K = 9) of every 3x3 filter-basis layer in training:
+    # C_out = C_in = 64 (36K floats a tensor, in L2), 256 and 512 (beyond it);
+    # with the pruning mask (as the layers call it) and, at 256, without
+    for co, masked in ((64, True), (256, True), (256, False), (512, True)):
+        lam = torch.randn(co, co, 9, generator=gen, dtype=torch.float64).to(dtype)
+        basis = torch.randn(9, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
+        mu = (torch.rand(co, co, 9, generator=gen) < 0.5).to(dtype) if masked else None
+        gh = torch.randn(co, co, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
+        shape = f"{co}x{co}x9 3x3" + ("" if masked else " no mask")
+        yield f"fb_reconstruct fwd {dn} {shape}", lambda l=lam, b=basis, m=mu: ops.fb_reconstruct(l, b, m)
+        yield (f"fb_reconstruct bwd {dn} {shape}",
+               lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
+
+
 CASES = {"gates": _gate_cases, "prunadag": _prunadag_cases, "projection": _projection_cases,
-         "fb_reconstruct": _fb_reconstruct_cases}
+         "fb_reconstruct": _fb_reconstruct_cases, "fb_reconstruct_3x3": _fb_reconstruct_3x3_cases}
 
 
 def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, only: str = "") -> None:
@@ -159,6 +178,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-time", type=float, default=0.2, help="seconds of blocked autorange per case and worker")
     p.add_argument("--only", default="", help="comma-separated substrings: time only the cases naming one")
+    p.add_argument("--vs", default="", help="comma-separated LABEL=BASE: the contender LABEL's ratios are taken "
+                   "against BASE instead of the first contender")
     p.add_argument("--out", help="write the markdown table here (and the raw figures beside it as .json)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -175,7 +196,13 @@ def main() -> None:
     if len(args.contenders) < 2:
         raise SystemExit("give at least two contenders (the first is the baseline)")
     contenders = [_parse_contender(c) for c in args.contenders]
+    labels = [c[0] for c in contenders]
+    vs = dict(kv.split("=", 1) for kv in args.vs.split(",") if kv)
+    for lb, bs in vs.items():
+        if lb not in labels or bs not in labels:
+            raise SystemExit(f"--vs {lb}={bs}: both must be contender labels ({', '.join(labels)})")
     best = {label: {} for label, _, _ in contenders}
+    rounds = {label: {} for label, _, _ in contenders}  # every round's median, per case
     for r in range(args.rounds):
         for label, path, extra in contenders:
             env = dict(os.environ, **extra)
@@ -187,24 +214,30 @@ def main() -> None:
                 raise SystemExit(f"worker {label} failed:\n{res.stderr}")
             for case, t in json.loads(res.stdout.strip().splitlines()[-1]).items():
                 best[label][case] = min(best[label].get(case, float("inf")), t)
+                rounds[label].setdefault(case, []).append(t)
             print(f"round {r + 1}/{args.rounds}: {label} done", file=sys.stderr)
     base = contenders[0][0]
-    labels = [c[0] for c in contenders]
+    pairs = [(lb, vs.get(lb, base)) for lb in labels[1:] if vs.get(lb, base) != lb]
+    # per pair: the ratio of the best medians, and the range of the ratios
+    # within each round (the two contenders timed minutes apart at most)
     head = "| case | " + " | ".join(f"{lb} ms" for lb in labels) + " | " + " | ".join(
-        f"{lb} / {base}" for lb in labels[1:]) + " |"
-    lines = [head, "|" + "---|" * (1 + 2 * len(labels) - 1)]
+        f"{lb} / {bs} | per round" for lb, bs in pairs) + " |"
+    lines = [head, "|" + "---|" * (1 + len(labels) + 2 * len(pairs))]
     for case in best[base]:
         ms = [best[lb][case] * 1e3 for lb in labels]
-        ratios = [best[lb][case] / best[base][case] for lb in labels[1:]]
-        lines.append(f"| {case} | " + " | ".join(f"{v:.4g}" for v in ms) + " | " + " | ".join(
-            f"{q:.3f}" for q in ratios) + " |")
+        cells = []
+        for lb, bs in pairs:
+            per = [a / b for a, b in zip(rounds[lb][case], rounds[bs][case])]
+            cells += [f"{best[lb][case] / best[bs][case]:.3f}", f"{min(per):.2f}-{max(per):.2f}"]
+        lines.append(f"| {case} | " + " | ".join(f"{v:.4g}" for v in ms) + " | " + " | ".join(cells) + " |")
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     desc = "; ".join(f"{lb} = {path}" + (f" with {extra}" if extra else "") for lb, path, extra in contenders)
     header = (f"date={datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
               f"cpu={cpu_model()}, logical_cpus={os.cpu_count()}, threads={args.threads}, rounds={args.rounds}, "
               f"min_time={args.min_time}s per case and worker, load average at the end (1, 5, 15 min): {load}\n\n"
               f"Contenders: {desc}. Figures: the smallest of the rounds' medians (torch.utils.benchmark blocked "
-              f"autorange), raw ops (torch.ops.prunopt.*), CPU.\n")
+              f"autorange), raw ops (torch.ops.prunopt.*), CPU; 'per round': the range of the ratio of the two "
+              f"contenders' medians within each round.\n")
     table = header + "\n" + "\n".join(lines) + "\n"
     print(table)
     if args.out:
@@ -212,7 +245,8 @@ def main() -> None:
             f.write(table)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"contenders": [{"label": lb, "library": pth, "env": ex} for lb, pth, ex in contenders],
-                       "threads": args.threads, "rounds": args.rounds, "seconds": best}, f, indent=1)
+                       "threads": args.threads, "rounds": args.rounds, "seconds": best, "seconds_per_round": rounds},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
