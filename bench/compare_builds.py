@@ -10,7 +10,7 @@ taken in turn for ``--rounds`` rounds, so a burst of load on a shared machine
 hits them alike, and each keeps its smallest median per case. The table gives
 those medians and the ratio of every contender to the first (> 1: slower than
 the first; ``--vs LABEL=BASE`` takes LABEL's ratio against BASE instead), with
-the range of that ratio within each round (the spread the host left).
+the median and range of that ratio within each round (the spread the host left).
 
 A contender is ``LABEL=PATH`` or ``LABEL=PATH:VAR=VALUE,...`` (environment of
 its workers, e.g. ``PRUNOPT_NO_AVX512=1`` to run a build's AVX2 clone)::
@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -137,12 +138,31 @@ def _fb_reconstruct_3x3_cases(torch, dtype):
                lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
 
 
+def _prunadag_single_cases(torch, dtype):
+    ops = torch.ops.prunopt
+    gen = torch.Generator().manual_seed(0)
+    dn = str(dtype).replace("torch.", "")
+    # one tensor of 64K (256x256, in L2) or 1M (1024x1024) elements, version 0
+    # (the fused step of prunopt.optim.PrunAdag on one parameter)
+    for shape in ((256, 256), (1024, 1024)):
+        p = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        g = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) * 1e-2
+        o, d = torch.full(shape, 1e-3, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        hyper = torch.tensor([[1e-3, 1e-3, 1e-4, 1e-10, 0.0, 1.0]], dtype=torch.float64)
+        n = p.numel()
+        yield (f"prunadag_step_ v0 {dn} one tensor n={n}",
+               lambda p=p, o=o, d=d, g=g, h=hyper, n=n: ops.prunadag_step_([p], [o], [d], [g], h, n // 10, 0))
+
+
 CASES = {"gates": _gate_cases, "prunadag": _prunadag_cases, "projection": _projection_cases,
-         "fb_reconstruct": _fb_reconstruct_cases, "fb_reconstruct_3x3": _fb_reconstruct_3x3_cases}
+         "fb_reconstruct": _fb_reconstruct_cases, "fb_reconstruct_3x3": _fb_reconstruct_3x3_cases,
+         "prunadag_single": _prunadag_single_cases}
 
 
-def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, only: str = "") -> None:
-    """Loads one build and prints {case: median seconds} as JSON."""
+def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, only: str = "",
+           stat: str = "median") -> None:
+    """Loads one build and prints {case: seconds} as JSON (the median or the
+    smallest of the blocked autorange's blocks)."""
     import torch
     import torch.utils.benchmark as benchmark
 
@@ -156,7 +176,8 @@ def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, onl
                     continue
                 fn()  # warm up (first touch, thread pool)
                 t = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-                out[name] = t.blocked_autorange(min_run_time=min_time).median
+                m = t.blocked_autorange(min_run_time=min_time)
+                out[name] = m.median if stat == "median" else min(m.times)
     print(json.dumps(out))
 
 
@@ -181,11 +202,14 @@ def main() -> None:
     p.add_argument("--vs", default="", help="comma-separated LABEL=BASE: the contender LABEL's ratios are taken "
                    "against BASE instead of the first contender")
     p.add_argument("--out", help="write the markdown table here (and the raw figures beside it as .json)")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="per worker and case: the median of the timed blocks, or the smallest (less sensitive to "
+                   "other processes' bursts on a shared host)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     ops, dtypes = args.ops.split(","), args.dtypes.split(",")
     if args.worker:
-        return worker(args.worker, ops, dtypes, args.threads, args.min_time, args.only)
+        return worker(args.worker, ops, dtypes, args.threads, args.min_time, args.only, args.stat)
     from prunopt.bench.common import cpu_model  # (the parent only: a worker loads nothing but its build)
 
     if args.out:  # checked before any timing: its folder is made, a folder as the file is refused
@@ -208,7 +232,7 @@ def main() -> None:
             env = dict(os.environ, **extra)
             env.pop("PRUNOPT_EXTENSION_LIBRARY", None)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", path, "--ops", args.ops, "--dtypes",
-                   args.dtypes, "--threads", str(args.threads), "--min-time", str(args.min_time), "--only", args.only]
+                   args.dtypes, "--threads", str(args.threads), "--min-time", str(args.min_time), "--only", args.only, "--stat", args.stat]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             if res.returncode != 0:
                 raise SystemExit(f"worker {label} failed:\n{res.stderr}")
@@ -228,16 +252,18 @@ def main() -> None:
         cells = []
         for lb, bs in pairs:
             per = [a / b for a, b in zip(rounds[lb][case], rounds[bs][case])]
-            cells += [f"{best[lb][case] / best[bs][case]:.3f}", f"{min(per):.2f}-{max(per):.2f}"]
+            cells += [f"{best[lb][case] / best[bs][case]:.3f}",
+                      f"{statistics.median(per):.3f} ({min(per):.2f}-{max(per):.2f})"]
         lines.append(f"| {case} | " + " | ".join(f"{v:.4g}" for v in ms) + " | " + " | ".join(cells) + " |")
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    what = "median" if args.stat == "median" else "smallest block"
     desc = "; ".join(f"{lb} = {path}" + (f" with {extra}" if extra else "") for lb, path, extra in contenders)
     header = (f"date={datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
               f"cpu={cpu_model()}, logical_cpus={os.cpu_count()}, threads={args.threads}, rounds={args.rounds}, "
               f"min_time={args.min_time}s per case and worker, load average at the end (1, 5, 15 min): {load}\n\n"
-              f"Contenders: {desc}. Figures: the smallest of the rounds' medians (torch.utils.benchmark blocked "
-              f"autorange), raw ops (torch.ops.prunopt.*), CPU; 'per round': the range of the ratio of the two "
-              f"contenders' medians within each round.\n")
+              f"Contenders: {desc}. Figures: the smallest over the rounds of each worker's {what} "
+              f"(torch.utils.benchmark blocked autorange), raw ops (torch.ops.prunopt.*), CPU; 'per round': the "
+              f"ratio of the two contenders' figures within each round: its median (min-max).\n")
     table = header + "\n" + "\n".join(lines) + "\n"
     print(table)
     if args.out:
