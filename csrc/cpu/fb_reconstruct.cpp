@@ -38,12 +38,12 @@
 // on the same shapes: float32, C_out = C_in = 64 / 256 / 512, 3x3, masked, 1
 // thread, both paths in one process and build, interleaved per burst of calls
 // (bench/fb_reconstruct_3x3_paths.py; shared 2-vCPU Intel Xeon @ 2.50GHz,
-// AVX-512, 2026-11-28): forward 0.063 / 0.80 / 3.45 ms against the generic
-// AVX-512 rows' 0.107 / 1.31 / 5.17 ms (1.73 / 1.65 / 1.52x their time),
-// backward 0.123 / 1.53 / 5.92 ms against 0.215 / 2.91 / 11.3 ms (1.75 / 1.93 /
-// 1.98x); the generic AVX2 rows 1.89-2.38x the AVX2 clone's time; 2 threads
-// at 512x512: 1.20x forward, 1.93x backward (float64, the same code under
-// both settings: 0.96-1.01x). PRUNOPT_FB_GENERIC_3X3=1 sends the float 3x3
+// AVX-512, 2026-11-28): forward 0.063 / 0.80 / 3.45 ms here against the
+// generic AVX-512 rows' 0.107 / 1.31 / 5.17 ms (the generic rows take 1.73 /
+// 1.65 / 1.52x as long), backward 0.123 / 1.53 / 5.92 ms against 0.215 / 2.91
+// / 11.3 ms (1.75 / 1.93 / 1.98x); the generic AVX2 rows 1.89-2.38x as long as
+// the AVX2 clone; 2 threads at 512x512: 1.20x forward, 1.93x backward
+// (float64, the same code under both settings: 0.96-1.01x). PRUNOPT_FB_GENERIC_3X3=1 sends the float 3x3
 // basis to the generic rows (bench/results/simd_aten.md).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
