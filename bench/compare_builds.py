@@ -9,7 +9,8 @@ fresh worker process that loads one library with ``torch.ops.load_library``
 taken in turn for ``--rounds`` rounds, so a burst of load on a shared machine
 hits them alike, and each keeps its smallest median per case. The table gives
 those medians and the ratio of every contender to the first (> 1: slower than
-the first).
+the first; ``--vs LABEL=BASE`` takes LABEL's ratio against BASE instead), with
+the median and range of that ratio within each round (the spread the host left).
 
 A contender is ``LABEL=PATH`` or ``LABEL=PATH:VAR=VALUE,...`` (environment of
 its workers, e.g. ``PRUNOPT_NO_AVX512=1`` to run a build's AVX2 clone)::
@@ -25,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -118,12 +120,49 @@ def _fb_reconstruct_cases(torch, dtype):
                lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
 
 
+def _fb_reconstruct_3x3_cases(torch, dtype):
+    ops = torch.ops.prunopt
+    gen = torch.Generator().manual_seed(0)
+    dn = str(dtype).replace("torch.", "")
+    # the 3x3 basis (N = K = 9) of every 3x3 filter-basis layer in training:
+    # C_out = C_in = 64 (36K floats a tensor, in L2), 256 and 512 (beyond it);
+    # with the pruning mask (as the layers call it) and, at 256, without
+    for co, masked in ((64, True), (256, True), (256, False), (512, True)):
+        lam = torch.randn(co, co, 9, generator=gen, dtype=torch.float64).to(dtype)
+        basis = torch.randn(9, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
+        mu = (torch.rand(co, co, 9, generator=gen) < 0.5).to(dtype) if masked else None
+        gh = torch.randn(co, co, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
+        shape = f"{co}x{co}x9 3x3" + ("" if masked else " no mask")
+        yield f"fb_reconstruct fwd {dn} {shape}", lambda l=lam, b=basis, m=mu: ops.fb_reconstruct(l, b, m)
+        yield (f"fb_reconstruct bwd {dn} {shape}",
+               lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
+
+
+def _prunadag_single_cases(torch, dtype):
+    ops = torch.ops.prunopt
+    gen = torch.Generator().manual_seed(0)
+    dn = str(dtype).replace("torch.", "")
+    # one tensor of 64K (256x256, in L2) or 1M (1024x1024) elements, version 0
+    # (the fused step of prunopt.optim.PrunAdag on one parameter)
+    for shape in ((256, 256), (1024, 1024)):
+        p = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        g = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) * 1e-2
+        o, d = torch.full(shape, 1e-3, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        hyper = torch.tensor([[1e-3, 1e-3, 1e-4, 1e-10, 0.0, 1.0]], dtype=torch.float64)
+        n = p.numel()
+        yield (f"prunadag_step_ v0 {dn} one tensor n={n}",
+               lambda p=p, o=o, d=d, g=g, h=hyper, n=n: ops.prunadag_step_([p], [o], [d], [g], h, n // 10, 0))
+
+
 CASES = {"gates": _gate_cases, "prunadag": _prunadag_cases, "projection": _projection_cases,
-         "fb_reconstruct": _fb_reconstruct_cases}
+         "fb_reconstruct": _fb_reconstruct_cases, "fb_reconstruct_3x3": _fb_reconstruct_3x3_cases,
+         "prunadag_single": _prunadag_single_cases}
 
 
-def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, only: str = "") -> None:
-    """Loads one build and prints {case: median seconds} as JSON."""
+def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, only: str = "",
+           stat: str = "median") -> None:
+    """Loads one build and prints {case: seconds} as JSON (the median or the
+    smallest of the blocked autorange's blocks)."""
     import torch
     import torch.utils.benchmark as benchmark
 
@@ -137,7 +176,8 @@ def worker(lib: str, ops: list, dtypes: list, threads: int, min_time: float, onl
                     continue
                 fn()  # warm up (first touch, thread pool)
                 t = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-                out[name] = t.blocked_autorange(min_run_time=min_time).median
+                m = t.blocked_autorange(min_run_time=min_time)
+                out[name] = m.median if stat == "median" else min(m.times)
     print(json.dumps(out))
 
 
@@ -159,12 +199,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-time", type=float, default=0.2, help="seconds of blocked autorange per case and worker")
     p.add_argument("--only", default="", help="comma-separated substrings: time only the cases naming one")
+    p.add_argument("--vs", default="", help="comma-separated LABEL=BASE: the contender LABEL's ratios are taken "
+                   "against BASE instead of the first contender")
     p.add_argument("--out", help="write the markdown table here (and the raw figures beside it as .json)")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="per worker and case: the median of the timed blocks, or the smallest (less sensitive to "
+                   "other processes' bursts on a shared host)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     ops, dtypes = args.ops.split(","), args.dtypes.split(",")
     if args.worker:
-        return worker(args.worker, ops, dtypes, args.threads, args.min_time, args.only)
+        return worker(args.worker, ops, dtypes, args.threads, args.min_time, args.only, args.stat)
     from prunopt.bench.common import cpu_model  # (the parent only: a worker loads nothing but its build)
 
     if args.out:  # checked before any timing: its folder is made, a folder as the file is refused
@@ -175,36 +220,50 @@ def main() -> None:
     if len(args.contenders) < 2:
         raise SystemExit("give at least two contenders (the first is the baseline)")
     contenders = [_parse_contender(c) for c in args.contenders]
+    labels = [c[0] for c in contenders]
+    vs = dict(kv.split("=", 1) for kv in args.vs.split(",") if kv)
+    for lb, bs in vs.items():
+        if lb not in labels or bs not in labels:
+            raise SystemExit(f"--vs {lb}={bs}: both must be contender labels ({', '.join(labels)})")
     best = {label: {} for label, _, _ in contenders}
+    rounds = {label: {} for label, _, _ in contenders}  # every round's median, per case
     for r in range(args.rounds):
         for label, path, extra in contenders:
             env = dict(os.environ, **extra)
             env.pop("PRUNOPT_EXTENSION_LIBRARY", None)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", path, "--ops", args.ops, "--dtypes",
-                   args.dtypes, "--threads", str(args.threads), "--min-time", str(args.min_time), "--only", args.only]
+                   args.dtypes, "--threads", str(args.threads), "--min-time", str(args.min_time), "--only", args.only, "--stat", args.stat]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             if res.returncode != 0:
                 raise SystemExit(f"worker {label} failed:\n{res.stderr}")
             for case, t in json.loads(res.stdout.strip().splitlines()[-1]).items():
                 best[label][case] = min(best[label].get(case, float("inf")), t)
+                rounds[label].setdefault(case, []).append(t)
             print(f"round {r + 1}/{args.rounds}: {label} done", file=sys.stderr)
     base = contenders[0][0]
-    labels = [c[0] for c in contenders]
+    pairs = [(lb, vs.get(lb, base)) for lb in labels[1:] if vs.get(lb, base) != lb]
+    # per pair: the ratio of the best medians, and the range of the ratios
+    # within each round (the two contenders timed minutes apart at most)
     head = "| case | " + " | ".join(f"{lb} ms" for lb in labels) + " | " + " | ".join(
-        f"{lb} / {base}" for lb in labels[1:]) + " |"
-    lines = [head, "|" + "---|" * (1 + 2 * len(labels) - 1)]
+        f"{lb} / {bs} | per round" for lb, bs in pairs) + " |"
+    lines = [head, "|" + "---|" * (1 + len(labels) + 2 * len(pairs))]
     for case in best[base]:
         ms = [best[lb][case] * 1e3 for lb in labels]
-        ratios = [best[lb][case] / best[base][case] for lb in labels[1:]]
-        lines.append(f"| {case} | " + " | ".join(f"{v:.4g}" for v in ms) + " | " + " | ".join(
-            f"{q:.3f}" for q in ratios) + " |")
+        cells = []
+        for lb, bs in pairs:
+            per = [a / b for a, b in zip(rounds[lb][case], rounds[bs][case])]
+            cells += [f"{best[lb][case] / best[bs][case]:.3f}",
+                      f"{statistics.median(per):.3f} ({min(per):.2f}-{max(per):.2f})"]
+        lines.append(f"| {case} | " + " | ".join(f"{v:.4g}" for v in ms) + " | " + " | ".join(cells) + " |")
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    what = "median" if args.stat == "median" else "smallest block"
     desc = "; ".join(f"{lb} = {path}" + (f" with {extra}" if extra else "") for lb, path, extra in contenders)
     header = (f"date={datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
               f"cpu={cpu_model()}, logical_cpus={os.cpu_count()}, threads={args.threads}, rounds={args.rounds}, "
               f"min_time={args.min_time}s per case and worker, load average at the end (1, 5, 15 min): {load}\n\n"
-              f"Contenders: {desc}. Figures: the smallest of the rounds' medians (torch.utils.benchmark blocked "
-              f"autorange), raw ops (torch.ops.prunopt.*), CPU.\n")
+              f"Contenders: {desc}. Figures: the smallest over the rounds of each worker's {what} "
+              f"(torch.utils.benchmark blocked autorange), raw ops (torch.ops.prunopt.*), CPU; 'per round': the "
+              f"ratio of the two contenders' figures within each round: its median (min-max).\n")
     table = header + "\n" + "\n".join(lines) + "\n"
     print(table)
     if args.out:
@@ -212,7 +271,8 @@ def main() -> None:
             f.write(table)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"contenders": [{"label": lb, "library": pth, "env": ex} for lb, pth, ex in contenders],
-                       "threads": args.threads, "rounds": args.rounds, "seconds": best}, f, indent=1)
+                       "threads": args.threads, "rounds": args.rounds, "seconds": best, "seconds_per_round": rounds},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

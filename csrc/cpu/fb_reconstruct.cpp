@@ -33,7 +33,18 @@
 // in training) has its own hand-written AVX2 loops with the basis held in
 // registers (see forward_3x3_body), compiled a second time with AVX-512VL's
 // 32 registers on CPUs that have them: a row of 9 is one 8-lane vector and one
-// lane, a layout with no Vectorized form at 16 lanes.
+// lane (the generic rows take 16 lanes for it: one AVX-512 vector, two AVX2
+// ones). They are kept because they are measured faster than the generic rows
+// on the same shapes: float32, C_out = C_in = 64 / 256 / 512, 3x3, masked, 1
+// thread, both paths in one process and build, interleaved per burst of calls
+// (bench/fb_reconstruct_3x3_paths.py; shared 2-vCPU Intel Xeon @ 2.50GHz,
+// AVX-512, 2026-11-28): forward 0.063 / 0.80 / 3.45 ms here against the
+// generic AVX-512 rows' 0.107 / 1.31 / 5.17 ms (the generic rows take 1.73 /
+// 1.65 / 1.52x as long), backward 0.123 / 1.53 / 5.92 ms against 0.215 / 2.91
+// / 11.3 ms (1.75 / 1.93 / 1.98x); the generic AVX2 rows 1.89-2.38x as long as
+// the AVX2 clone; 2 threads at 512x512: 1.20x forward, 1.93x backward
+// (float64, the same code under both settings: 0.96-1.01x). PRUNOPT_FB_GENERIC_3X3=1 sends the float 3x3
+// basis to the generic rows (bench/results/simd_aten.md).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -377,9 +388,14 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void backward_3x3_avx512(co
   backward_3x3_body(dh, lam, mu, g, dlam, dg, r0, r1);
 }
 
+// Whether this call takes the 3x3 float loops: PRUNOPT_FB_GENERIC_3X3=1 (read
+// per call, as the capability switches) sends the float 3x3 basis to the
+// generic rows instead, so that tests and bench/compare_builds.py
+// (--ops fb_reconstruct_3x3) can set the two side by side in one build.
 template <typename scalar_t>
 bool use_3x3(const Dims& d) {
-  return std::is_same<scalar_t, float>::value && d.n == 9 && d.k == 9 && use_avx2();
+  return std::is_same<scalar_t, float>::value && d.n == 9 && d.k == 9 && use_avx2() &&
+         !vec::env_flag("PRUNOPT_FB_GENERIC_3X3");
 }
 #endif
 
@@ -431,9 +447,9 @@ void reconstruct_rows(const scalar_t* lam, const scalar_t* mu, const double* g, 
 #ifdef PRUNOPT_X86_DISPATCH
   if constexpr (std::is_same<scalar_t, float>::value) {
     if (use_3x3<scalar_t>(d)) {
+      const auto fwd3 = use_avx512() ? &forward_3x3_avx512 : &forward_3x3_avx2;
       at::parallel_for(0, d.rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
-        if (use_avx512()) return forward_3x3_avx512(lam, mu, g, h, r0, r1);
-        forward_3x3_avx2(lam, mu, g, h, r0, r1);
+        fwd3(lam, mu, g, h, r0, r1);
       });
       return;
     }
@@ -461,6 +477,11 @@ void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const sc
   const int64_t per_chunk = (d.rows + chunks - 1) / chunks;
   std::vector<double> partial(dg ? chunks * d.n * d.k : 0, 0.0);
   const auto gtpad = c ? padded<scalar_t>(g, d.k, d.n, c * lanes, true) : std::vector<scalar_t>();
+#ifdef PRUNOPT_X86_DISPATCH
+  // the 3x3 float loops' clone for this call, or null (the environment is read here, outside the loops)
+  decltype(&backward_3x3_avx2) bwd3 = nullptr;
+  if (c != 0 && use_3x3<scalar_t>(d)) bwd3 = use_avx512() ? &backward_3x3_avx512 : &backward_3x3_avx2;
+#endif
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t ch = c0; ch < c1; ++ch) {
       const int64_t r0 = ch * per_chunk, r1 = std::min(d.rows, r0 + per_chunk);
@@ -472,12 +493,8 @@ void reconstruct_backward_rows(const scalar_t* dh, const scalar_t* lam, const sc
       }
 #ifdef PRUNOPT_X86_DISPATCH
       if constexpr (std::is_same<scalar_t, float>::value) {
-        if (use_3x3<scalar_t>(d)) {
-          if (use_avx512()) {
-            backward_3x3_avx512(dh, lam, mu, g, dlam, dgc, r0, r1);
-          } else {
-            backward_3x3_avx2(dh, lam, mu, g, dlam, dgc, r0, r1);
-          }
+        if (bwd3 != nullptr) {
+          bwd3(dh, lam, mu, g, dlam, dgc, r0, r1);
           continue;
         }
       }
