@@ -9,7 +9,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ["prunadag_training.py", "probmask_budget.py", "interspace_inference.py",
-            "ds_channel_removal.py", "rigl_resnet.py"]
+            "ds_channel_removal.py", "rigl_resnet.py", "budget_projection_figure.py"]
 
 
 def _env():
@@ -24,6 +24,14 @@ def test_example_runs(script):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--tiny"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_projection_figure_is_written_where_out_points(tmp_path):
+    out = tmp_path / "projection.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "budget_projection_figure.py"), "--tiny",
+                           "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {out}" in proc.stdout
 
 
 def _free_port():
