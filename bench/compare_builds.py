@@ -103,39 +103,39 @@ def _projection_cases(torch, dtype):
     yield f"project_budget histogram {dn} n={1 << 20}", histogram
 
 
-def _fb_reconstruct_cases(torch, dtype):
+def fb_reconstruct_pair(torch, dtype, gen, co, ci, nb, kh, kw, masked=True, prefix="fb_reconstruct "):
+    """``(name, call)`` of the forward and of the backward of fb_reconstruct on
+    random coefficients ``(co, ci, nb)`` and a basis ``(nb, kh, kw)``, with a
+    half-zero mask (as the layers call it) or none."""
     ops = torch.ops.prunopt
-    gen = torch.Generator().manual_seed(0)
     dn = str(dtype).replace("torch.", "")
+    lam = torch.randn(co, ci, nb, generator=gen, dtype=torch.float64).to(dtype)
+    basis = torch.randn(nb, kh, kw, generator=gen, dtype=torch.float64).to(dtype)
+    mu = (torch.rand(co, ci, nb, generator=gen) < 0.5).to(dtype) if masked else None
+    gh = torch.randn(co, ci, kh, kw, generator=gen, dtype=torch.float64).to(dtype)
+    shape = f"{co}x{ci}x{nb} {kh}x{kw}" + ("" if masked else " no mask")
+    yield f"{prefix}fwd {dn} {shape}", lambda: ops.fb_reconstruct(lam, basis, mu)
+    yield f"{prefix}bwd {dn} {shape}", lambda: ops.fb_reconstruct_backward(gh, lam, basis, mu, [True, True])
+
+
+def _fb_reconstruct_cases(torch, dtype):
+    gen = torch.Generator().manual_seed(0)
     # (C_out, C_in, N, kh, kw): the 3x3 basis of a 256-channel layer (float: its
     # own AVX2 / AVX-512VL loops), and a 5x5 one with N = 12 (the generic rows)
     for co, ci, nb, kh, kw in ((256, 256, 9, 3, 3), (128, 128, 12, 5, 5)):
-        lam = torch.randn(co, ci, nb, generator=gen, dtype=torch.float64).to(dtype)
-        basis = torch.randn(nb, kh, kw, generator=gen, dtype=torch.float64).to(dtype)
-        mu = (torch.rand(co, ci, nb, generator=gen) < 0.5).to(dtype)
-        gh = torch.randn(co, ci, kh, kw, generator=gen, dtype=torch.float64).to(dtype)
-        shape = f"{co}x{ci}x{nb} {kh}x{kw}"
-        yield f"fb_reconstruct fwd {dn} {shape}", lambda l=lam, b=basis, m=mu: ops.fb_reconstruct(l, b, m)
-        yield (f"fb_reconstruct bwd {dn} {shape}",
-               lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
+        yield from fb_reconstruct_pair(torch, dtype, gen, co, ci, nb, kh, kw)
+
+
+# C_out = C_in and whether masked: the 3x3 basis (N = K = 9) of every 3x3
+# filter-basis layer in training, 64 (36K floats a tensor, in L2), 256 and 512
+# (beyond it); with the pruning mask (as the layers call it) and, at 256, without
+FB_3X3_SHAPES = ((64, True), (256, True), (256, False), (512, True))
 
 
 def _fb_reconstruct_3x3_cases(torch, dtype):
-    ops = torch.ops.prunopt
     gen = torch.Generator().manual_seed(0)
-    dn = str(dtype).replace("torch.", "")
-    # the 3x3 basis (N = K = 9) of every 3x3 filter-basis layer in training:
-    # C_out = C_in = 64 (36K floats a tensor, in L2), 256 and 512 (beyond it);
-    # with the pruning mask (as the layers call it) and, at 256, without
-    for co, masked in ((64, True), (256, True), (256, False), (512, True)):
-        lam = torch.randn(co, co, 9, generator=gen, dtype=torch.float64).to(dtype)
-        basis = torch.randn(9, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
-        mu = (torch.rand(co, co, 9, generator=gen) < 0.5).to(dtype) if masked else None
-        gh = torch.randn(co, co, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
-        shape = f"{co}x{co}x9 3x3" + ("" if masked else " no mask")
-        yield f"fb_reconstruct fwd {dn} {shape}", lambda l=lam, b=basis, m=mu: ops.fb_reconstruct(l, b, m)
-        yield (f"fb_reconstruct bwd {dn} {shape}",
-               lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
+    for co, masked in FB_3X3_SHAPES:
+        yield from fb_reconstruct_pair(torch, dtype, gen, co, co, 9, 3, 3, masked)
 
 
 def _prunadag_single_cases(torch, dtype):

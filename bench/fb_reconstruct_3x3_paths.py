@@ -27,6 +27,8 @@ import os
 import statistics
 import time
 
+from compare_builds import FB_3X3_SHAPES, fb_reconstruct_pair
+
 CONTENDERS = {  # label: environment
     "hand": {},
     "generic": {"PRUNOPT_FB_GENERIC_3X3": "1"},
@@ -34,22 +36,12 @@ CONTENDERS = {  # label: environment
     "generic-avx2": {"PRUNOPT_NO_AVX512": "1", "PRUNOPT_FB_GENERIC_3X3": "1"},
 }
 PAIRS = [("generic", "hand"), ("generic-avx2", "hand-avx2")]
-SHAPES = [(64, True), (256, True), (256, False), (512, True)]  # C_out = C_in, masked
 
 
 def _cases(torch, dtype):
-    ops = torch.ops.prunopt
     gen = torch.Generator().manual_seed(0)
-    dn = str(dtype).replace("torch.", "")
-    for co, masked in SHAPES:
-        lam = torch.randn(co, co, 9, generator=gen, dtype=torch.float64).to(dtype)
-        basis = torch.randn(9, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
-        mu = (torch.rand(co, co, 9, generator=gen) < 0.5).to(dtype) if masked else None
-        gh = torch.randn(co, co, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
-        shape = f"{co}x{co}x9 3x3" + ("" if masked else " no mask")
-        yield f"fwd {dn} {shape}", lambda l=lam, b=basis, m=mu: ops.fb_reconstruct(l, b, m)
-        yield (f"bwd {dn} {shape}",
-               lambda g=gh, l=lam, b=basis, m=mu: ops.fb_reconstruct_backward(g, l, b, m, [True, True]))
+    for co, masked in FB_3X3_SHAPES:
+        yield from fb_reconstruct_pair(torch, dtype, gen, co, co, 9, 3, 3, masked, prefix="")
 
 
 def _set_env(env):
