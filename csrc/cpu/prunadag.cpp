@@ -132,6 +132,24 @@ void scan_range(const Seg& s, int64_t b, int64_t e, scalar_t lo, scalar_t hi, Sc
   kernels()->get<scalar_t>().scan[kX][kNorms](s, b, e, lo, hi, out, cg, cx);
 }
 
+// The scan of the pieces of one chunk [begin, end) into `out`: pruned pieces
+// against [lo, hi], the others for finiteness only (everything is "below"
+// +inf; their candidates' slots are past the chunk's count and unused).
+template <typename scalar_t, bool kX, bool kNorms>
+void scan_chunk(const std::vector<Seg>& segs, int64_t begin, int64_t end, scalar_t lo, scalar_t hi,
+    ScanOut<scalar_t>& out, scalar_t* cg, scalar_t* cx) {
+  constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
+    if (s.prune) {
+      scan_range<scalar_t, kX, kNorms>(s, b, e, lo, hi, out, cg, cx);
+    } else {
+      ScanOut<scalar_t> check;
+      scan_range<scalar_t, kX, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
+      out.bad |= check.bad;
+    }
+  });
+}
+
 // The element pass of one piece (see update_range in prunadag_kernels.inc).
 template <typename scalar_t>
 void update_range(const Seg& s, int64_t b, int64_t e, scalar_t tau, double r, int version) {
@@ -515,15 +533,7 @@ Selected sampled_select(const std::vector<Seg>& segs, int64_t total, int64_t n, 
     ScanOut<scalar_t>& out = outs[ch];
     scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
     scalar_t* cx = kNorms ? scratch<scalar_t>(1, end - begin + kPad) : nullptr;
-    for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
-      if (s.prune) {
-        scan_range<scalar_t, kX, kNorms>(s, b, e, lo, hi, out, cg, cx);
-      } else {
-        ScanOut<scalar_t> check;  // finiteness only: everything is "below" +inf
-        scan_range<scalar_t, kX, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
-        out.bad |= check.bad;
-      }
-    });
+    scan_chunk<scalar_t, kX, kNorms>(segs, begin, end, lo, hi, out, cg, cx);
     if (kept.fetch_add(out.ncand) + out.ncand > cap) {
       overflow = true;
     }
@@ -925,7 +935,6 @@ void prunadag_step_cpu(at::TensorList params, at::TensorList opt_sums, at::Tenso
 // pruned are only checked for finiteness.
 template <typename scalar_t, bool kX>
 std::vector<ScanOut<scalar_t>> bracket_scan(const std::vector<Seg>& segs, int64_t total, scalar_t lo, scalar_t hi) {
-  constexpr scalar_t inf = std::numeric_limits<scalar_t>::infinity();
   constexpr int64_t kPad = 16;  // the W-wide candidate stores may write past the count
   std::vector<ScanOut<scalar_t>> outs(total > 0 ? num_chunks(total) : 0);
   if (total == 0) {
@@ -935,15 +944,7 @@ std::vector<ScanOut<scalar_t>> bracket_scan(const std::vector<Seg>& segs, int64_
     ScanOut<scalar_t>& out = outs[ch];
     scalar_t* cg = scratch<scalar_t>(0, end - begin + kPad);
     scalar_t* cx = kX ? scratch<scalar_t>(1, end - begin + kPad) : nullptr;
-    for_each_piece(segs, begin, end, [&](const Seg& s, int64_t b, int64_t e) {
-      if (s.prune) {
-        scan_range<scalar_t, kX, kX>(s, b, e, lo, hi, out, cg, cx);
-      } else {
-        ScanOut<scalar_t> check;  // finiteness only: everything is "below" +inf
-        scan_range<scalar_t, kX, false>(s, b, e, inf, inf, check, cg + out.ncand, nullptr);
-        out.bad |= check.bad;
-      }
-    });
+    scan_chunk<scalar_t, kX, kX>(segs, begin, end, lo, hi, out, cg, cx);
     if (out.ncand > 0 && !out.bad) {
       out.cg.assign(cg, cg + out.ncand);
       if (kX) {

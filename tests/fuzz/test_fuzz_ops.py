@@ -301,8 +301,10 @@ def _topk_bracket(d) -> Case:
     return Case(torch.ops.prunopt.topk_bracket, [values, lo, hi], check, faults)
 
 
-def _prunadag_norms(d) -> Case:
-    dtype = d.draw(st.sampled_from([F32, F64, F16, BF16]), label="dtype")
+def _prunadag_lists(d, dtype):
+    """Up to 3 flat parameters, their gradients and hyper rows (weight decay,
+    maximize and the prune flag drawn), as prunadag_norms and
+    prunadag_bracket take them."""
     shapes = d.draw(st.lists(st.integers(0, 50), min_size=0, max_size=3), label="sizes")
     seed = d.draw(SEEDS, label="seed")
     xs = [tensor((s,), dtype, seed + i) for i, s in enumerate(shapes)]
@@ -310,6 +312,12 @@ def _prunadag_norms(d) -> Case:
           for i, s in enumerate(shapes)]
     hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=d.draw(st.sampled_from([0.0, 0.01])), eps=1e-8,
                           maximize=d.draw(st.booleans()), prune=d.draw(st.booleans())) for _ in shapes]
+    return shapes, xs, gs, hypers
+
+
+def _prunadag_norms(d) -> Case:
+    dtype = d.draw(st.sampled_from([F32, F64, F16, BF16]), label="dtype")
+    shapes, xs, gs, hypers = _prunadag_lists(d, dtype)
     tau_value = d.draw(st.sampled_from([0.0, 0.5, 2.0]), label="tau")
     tau = torch.tensor(tau_value, dtype=F64)
     args = [xs, gs, _hyper(hypers), tau]
@@ -339,13 +347,7 @@ def _prunadag_norms(d) -> Case:
 
 def _prunadag_bracket(d) -> Case:
     dtype = d.draw(st.sampled_from([F32, F64]), label="dtype")
-    shapes = d.draw(st.lists(st.integers(0, 50), min_size=0, max_size=3), label="sizes")
-    seed = d.draw(SEEDS, label="seed")
-    xs = [tensor((s,), dtype, seed + i) for i, s in enumerate(shapes)]
-    gs = [tensor((s,), dtype, seed + 10 + i, d.draw(st.sampled_from([1e-3, 1.0, 30.0]), label="grad scale"))
-          for i, s in enumerate(shapes)]
-    hypers = [TensorHyper(lr=0.1, k=0.0, lr_decay=0.0, weight_decay=d.draw(st.sampled_from([0.0, 0.01])), eps=1e-8,
-                          maximize=d.draw(st.booleans()), prune=d.draw(st.booleans())) for _ in shapes]
+    shapes, xs, gs, hypers = _prunadag_lists(d, dtype)
     lo = d.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]), label="lo")
     hi = lo + d.draw(st.sampled_from([0.0, 0.5, 2.0, math.inf]), label="width")
     args = [xs, gs, _hyper(hypers), lo, hi]

@@ -254,6 +254,19 @@ def test_bracket_wrapper_errors():
         topk_bracket(torch.ones(3), 1.0, 0.5)
 
 
+def _norms_case(sizes, dtype, seed, wd, maximize, unpruned_last, bad):
+    """Parameters, gradients (the last one spoiled by ``bad`` when given) and
+    hyper rows of the norms and bracket tests (the last tensor not pruned with
+    ``unpruned_last``)."""
+    xs, gs, _, _ = _case(sizes, dtype, seed, False)
+    hypers = [TensorHyper(lr=0.5, weight_decay=wd, maximize=maximize,
+                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
+              for i in range(len(sizes))]
+    if bad is not None and gs[-1].numel():
+        gs[-1].view(-1)[0] = float(bad)
+    return xs, gs, hypers
+
+
 @needs_ext
 @given(
     sizes=st.lists(st.sampled_from(SIZE_CHOICES), min_size=1, max_size=4),
@@ -268,12 +281,7 @@ def test_bracket_wrapper_errors():
 def test_norms_matches_reference(sizes, dtype, seed, q, wd, maximize, unpruned_last, bad):
     from prunopt.reference.prunadag import prunadag_norms_reference
 
-    xs, gs, _, _ = _case(sizes, dtype, seed, False)
-    hypers = [TensorHyper(lr=0.5, weight_decay=wd, maximize=maximize,
-                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
-              for i in range(len(sizes))]
-    if bad is not None and gs[-1].numel():
-        gs[-1].view(-1)[0] = float(bad)
+    xs, gs, hypers = _norms_case(sizes, dtype, seed, wd, maximize, unpruned_last, bad)
     up = [t.float() if dtype == torch.float16 else t for t in xs], [t.float() if dtype == torch.float16 else t
                                                                      for t in gs]
     keys = torch.cat([(-g if maximize else g).add(x, alpha=wd).abs().reshape(-1) for x, g in zip(*up)])
@@ -308,12 +316,7 @@ def test_prunadag_bracket_matches_reference(sizes, dtype, seed, q, wd, maximize,
     from prunopt.ops import prunadag_bracket
     from prunopt.reference.prunadag import prunadag_bracket_reference
 
-    xs, gs, _, _ = _case(sizes, dtype, seed, False)
-    hypers = [TensorHyper(lr=0.5, weight_decay=wd, maximize=maximize,
-                          prune=not (unpruned_last and i == len(sizes) - 1 and len(sizes) > 1))
-              for i in range(len(sizes))]
-    if bad is not None and gs[-1].numel():
-        gs[-1].view(-1)[0] = float(bad)
+    xs, gs, hypers = _norms_case(sizes, dtype, seed, wd, maximize, unpruned_last, bad)
     # (the kernels' effective gradient: weight decay's product rounded before the sum)
     keys = torch.cat([((-g if maximize else g) + x * wd).abs().reshape(-1) for x, g in zip(xs, gs)])
     finite = keys[torch.isfinite(keys)]
