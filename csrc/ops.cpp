@@ -24,6 +24,21 @@ TORCH_LIBRARY(prunopt, m) {
   // tensors share one budget without being concatenated.
   m.def("project_budget(Tensor[] theta, Tensor[]? cost, float budget) -> Tensor[]");
   m.def("project_budget_(Tensor(a!)[] theta, Tensor[]? cost, float budget) -> ()");
+  // One pass over theta (and cost) for a bracket [lo, hi] of the multiplier
+  // lam (0 <= lo <= hi, hi may be inf): float64 [sum c over U, sum c t and
+  // sum c^2 over F, 1 if a score is not finite, 1 if a cost is not positive
+  // and finite] over the elements without a breakpoint ((t-1)/c or t/c)
+  // strictly inside (lo, hi) (U: x = 1 on the whole bracket, F: x = t - lam c
+  // on it), and the other elements' theta and cost (empty without costs) in
+  // index order. Bad input is reported, not raised (then the sums are 0 and
+  // no elements are returned): the sharded projection agrees on it over the
+  // processes first.
+  m.def("project_budget_bracket(Tensor[] theta, Tensor[]? cost, float lo, float hi) -> (Tensor, Tensor, Tensor)");
+  // The projection for a given multiplier lam >= 0 (inf allowed):
+  // out[i] = clamp(theta[i] - lam cost[i], 0, 1), computed in double and
+  // rounded once (the last pass of project_budget). `out` may be `theta`
+  // itself (in place); theta and cost are not checked for finiteness here.
+  m.def("project_budget_apply_(Tensor(a!)[] out, Tensor[] theta, Tensor[]? cost, float lam) -> ()");
 
   // Interspace pruning: filter-basis convolution (Wimmer et al.).
   // Kernels: csrc/cpu/fb_reconstruct.cpp, csrc/cpu/fb_conv2d.cpp,

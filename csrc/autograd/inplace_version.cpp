@@ -105,10 +105,12 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ks
 
 TORCH_LIBRARY_IMPL(prunopt, ADInplaceOrView, m) {
   m.impl("project_budget_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
+  m.impl("project_budget_apply_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
   m.impl("prunadag_step_", torch::CppFunction::makeFromBoxedFunction<&prunopt::bump_written_versions>());
 }
 
 TORCH_LIBRARY_IMPL(prunopt, Autograd, m) {
   m.impl("project_budget_", torch::CppFunction::makeFromBoxedFunction<&prunopt::refuse_grad_writes>());
+  m.impl("project_budget_apply_", torch::CppFunction::makeFromBoxedFunction<&prunopt::refuse_grad_writes>());
   m.impl("prunadag_step_", torch::CppFunction::makeFromBoxedFunction<&prunopt::refuse_grad_writes>());
 }

@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1143,6 +1144,120 @@ void project_into(
   });
 }
 
+// project_budget_bracket: the compaction pass of solve_lambda alone, for a
+// bracket [lo, hi] of lam that the caller chose (the sharded projection takes
+// it from every process's sample). The scores' and costs' checks are made in
+// the same pass and reported, not raised, so that the processes can agree on
+// them first; then the sums are 0 and no elements are returned.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> project_budget_bracket_cpu(
+    at::TensorList theta, c10::optional<at::TensorList> cost, double lo, double hi) {
+  const char* op = "project_budget_bracket";
+  TORCH_CHECK_VALUE(!theta.empty(), op, ": theta must not be empty (a list of tensors)");
+  check_projection_args(theta, cost, 0.0, op);
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  const bool has_cost = cost.has_value();
+  const auto inputs = contiguous_all(theta);
+  const auto costs = has_cost ? contiguous_all(*cost) : std::vector<at::Tensor>{};
+  std::vector<Segment> segs;
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t n = inputs[i].numel();
+    if (n > 0) {
+      segs.push_back(Segment{inputs[i].data_ptr(), has_cost ? costs[i].data_ptr() : nullptr, nullptr, n, total});
+      total += n;
+    }
+  }
+  const auto opts = theta[0].options();
+  at::Tensor summary = at::zeros({5}, opts.dtype(at::kDouble));
+  at::Tensor t_in = at::empty({0}, opts), c_in = at::empty({0}, opts);
+  if (total == 0) {
+    return {summary, t_in, c_in};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, theta[0].scalar_type(), "project_budget_bracket", [&] {
+    auto run = [&](auto cost_tag) {
+      constexpr bool kCost = decltype(cost_tag)::value;
+      const auto chunks = compact_pass<scalar_t, kCost, true>(segs, total, lo, hi, 0.05);
+      Piece base;
+      bool bad_theta = false, bad_cost = false;
+      int64_t n_in = 0;
+      for (const auto& ch : chunks) {
+        base.merge(ch.base);
+        bad_theta |= ch.bad_theta;
+        bad_cost |= ch.bad_cost;
+        n_in += ch.t.n;
+      }
+      double* out = summary.data_ptr<double>();
+      if (bad_theta || bad_cost) {
+        out[3] = bad_theta ? 1.0 : 0.0;
+        out[4] = bad_cost ? 1.0 : 0.0;
+        return;
+      }
+      out[0] = base.u_c;
+      out[1] = base.f_ct;
+      out[2] = base.f_cc;
+      t_in = at::empty({n_in}, opts);
+      if (kCost) {
+        c_in = at::empty({n_in}, opts);
+      }
+      int64_t pos = 0;
+      for (const auto& ch : chunks) {
+        if (ch.t.n > 0) {
+          std::memcpy(t_in.data_ptr<scalar_t>() + pos, ch.t.p, sizeof(scalar_t) * ch.t.n);
+          if (kCost) {
+            std::memcpy(c_in.data_ptr<scalar_t>() + pos, ch.c.p, sizeof(scalar_t) * ch.t.n);
+          }
+          pos += ch.t.n;
+        }
+      }
+    };
+    if (has_cost) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
+  });
+  return {summary, t_in, c_in};
+}
+
+// project_budget_apply_: the last pass of the projection for a given lam
+// (out = clamp(theta - lam cost, 0, 1) in double, rounded once); out may be
+// theta itself.
+void project_budget_apply_cpu(
+    at::TensorList out, at::TensorList theta, c10::optional<at::TensorList> cost, double lam) {
+  const char* op = "project_budget_apply_";
+  check_projection_apply_args(out, theta, cost, lam, op);
+  check_no_overlap(out, op, "out");
+  if (theta.empty()) {
+    return;
+  }
+  const bool has_cost = cost.has_value();
+  const auto inputs = contiguous_all(theta);
+  const auto costs = has_cost ? contiguous_all(*cost) : std::vector<at::Tensor>{};
+  auto outputs = contiguous_all(out);
+  std::vector<Segment> segs;
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t n = inputs[i].numel();
+    if (n > 0) {
+      segs.push_back(Segment{inputs[i].data_ptr(), has_cost ? costs[i].data_ptr() : nullptr,
+          outputs[i].data_ptr(), n, total});
+      total += n;
+    }
+  }
+  if (total == 0) {
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, theta[0].scalar_type(), "project_budget_apply_", [&] {
+    if (has_cost) {
+      apply<scalar_t, true>(segs, total, lam);
+    } else {
+      apply<scalar_t, false>(segs, total, lam);
+    }
+  });
+  copy_back(outputs, out);
+}
+
 std::vector<at::Tensor> project_budget_cpu(
     at::TensorList theta, c10::optional<at::TensorList> cost, double budget) {
   return project_budget_entry(theta, cost, budget, project_into);
@@ -1160,4 +1275,6 @@ void project_budget_inplace_cpu(
 TORCH_LIBRARY_IMPL(prunopt, CPU, m) {
   m.impl("project_budget", &prunopt::cpu::project_budget_cpu);
   m.impl("project_budget_", &prunopt::cpu::project_budget_inplace_cpu);
+  m.impl("project_budget_bracket", &prunopt::cpu::project_budget_bracket_cpu);
+  m.impl("project_budget_apply_", &prunopt::cpu::project_budget_apply_cpu);
 }

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -335,6 +336,82 @@ void project_budget_inplace_cuda(
   project_budget_inplace_entry(theta, cost, budget, project_into);
 }
 
+// project_budget_apply_ on CUDA, composed of ATen ops (in double, rounded
+// once; out may be theta itself).
+void project_budget_apply_cuda(
+    at::TensorList out, at::TensorList theta, c10::optional<at::TensorList> cost, double lam) {
+  const char* op = "project_budget_apply_";
+  check_projection_apply_args(out, theta, cost, lam, op);
+  check_no_overlap(out, op, "out");
+  if (theta.empty()) {
+    return;
+  }
+  c10::cuda::CUDAGuard guard(theta[0].device());
+  for (size_t i = 0; i < theta.size(); ++i) {
+    if (theta[i].numel() == 0) {
+      continue;
+    }
+    at::Tensor x = theta[i].to(at::kDouble);
+    if (std::isinf(lam)) {
+      x.zero_();
+    } else if (cost.has_value()) {
+      x.sub_((*cost)[i].to(at::kDouble), lam);
+    } else {
+      x.sub_(lam);
+    }
+    out[i].copy_(x.clamp_(0.0, 1.0));
+  }
+}
+
+// project_budget_bracket on CUDA, composed of ATen ops in double: the
+// elements kept are data-dependent, so their number is read on the host
+// anyway (as for topk_bracket). The same classes as the CPU pass: an element
+// is kept when a breakpoint (t-1)/c or t/c lies strictly inside (lo, hi); of
+// the others, U (key2 >= hi) adds c and F (key2 <= lo, key1 >= hi) adds c t
+// and c^2 to the sums.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> project_budget_bracket_cuda(
+    at::TensorList theta, c10::optional<at::TensorList> cost, double lo, double hi) {
+  const char* op = "project_budget_bracket";
+  TORCH_CHECK_VALUE(!theta.empty(), op, ": theta must not be empty (a list of tensors)");
+  check_projection_args(theta, cost, 0.0, op);
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  c10::cuda::CUDAGuard guard(theta[0].device());
+  const auto opts = theta[0].options();
+  at::Tensor summary = at::zeros({5}, opts.dtype(at::kDouble));
+  std::vector<at::Tensor> ts, cs;
+  for (size_t i = 0; i < theta.size(); ++i) {
+    ts.push_back(theta[i].reshape({-1}));
+    if (cost.has_value()) {
+      cs.push_back((*cost)[i].reshape({-1}));
+    }
+  }
+  const at::Tensor t = at::cat(ts);
+  if (t.numel() == 0) {
+    return {summary, at::empty({0}, opts), at::empty({0}, opts)};
+  }
+  const at::Tensor td = t.to(at::kDouble);
+  const bool has_cost = cost.has_value();
+  const at::Tensor c = has_cost ? at::cat(cs) : at::Tensor();
+  const at::Tensor cd = has_cost ? c.to(at::kDouble) : at::ones_like(td);
+  const bool bad_theta = !at::isfinite(td).all().item<bool>();
+  const bool bad_cost = has_cost && !at::isfinite(cd).logical_and_(cd.gt(0.0)).all().item<bool>();
+  if (bad_theta || bad_cost) {
+    summary[3] = bad_theta ? 1.0 : 0.0;
+    summary[4] = bad_cost ? 1.0 : 0.0;
+    return {summary, at::empty({0}, opts), at::empty({0}, opts)};
+  }
+  const at::Tensor k1 = td.div(cd), k2 = td.sub(1.0).div_(cd);
+  const at::Tensor in = k1.gt(lo).logical_and_(k1.lt(hi)).logical_or_(k2.gt(lo).logical_and_(k2.lt(hi)));
+  const at::Tensor out = in.logical_not();
+  const at::Tensor u = k2.ge(hi).logical_and_(out);
+  const at::Tensor f = k2.le(lo).logical_and_(k1.ge(hi)).logical_and_(out);
+  summary[0] = cd.mul(u).sum();
+  summary[1] = cd.mul(td).mul_(f).sum();
+  summary[2] = cd.square().mul_(f).sum();
+  return {summary, t.masked_select(in), has_cost ? c.masked_select(in) : at::empty({0}, opts)};
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace prunopt
@@ -342,4 +419,6 @@ void project_budget_inplace_cuda(
 TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
   m.impl("project_budget", &prunopt::cuda::project_budget_cuda);
   m.impl("project_budget_", &prunopt::cuda::project_budget_inplace_cuda);
+  m.impl("project_budget_bracket", &prunopt::cuda::project_budget_bracket_cuda);
+  m.impl("project_budget_apply_", &prunopt::cuda::project_budget_apply_cuda);
 }

@@ -16,8 +16,8 @@ from torch import Tensor
 
 __all__ = ["check_projection", "check_fb_reconstruct", "check_fb_grad_h", "check_fb_conv", "check_fb_csr",
            "check_float_tensor", "check_like", "check_rgf_alpha", "check_temperature", "check_gate",
-           "check_topk_values", "check_prunadag_step", "check_prunadag_norms", "check_prunadag_bracket", "representable",
-           "check_disjoint_writes"]
+           "check_topk_values", "check_projection_apply", "check_prunadag_step", "check_prunadag_norms",
+           "check_prunadag_bracket", "representable", "check_disjoint_writes"]
 
 
 def _tensor(t, name: str, op: str) -> Tensor:
@@ -169,6 +169,23 @@ def check_projection(theta, cost, budget, op: str) -> None:
             raise ValueError(f"{op}: cost must have as many tensors as theta ({len(theta)}), got {len(cost)}")
         for i, (c, t) in enumerate(zip(cost, theta)):
             check_like(c, t, f"cost[{i}]", f"theta[{i}]", op)
+
+
+def check_projection_apply(out, theta, cost, lam, op: str = "project_budget_apply_") -> None:
+    """out / theta / cost / lam of ``project_budget_apply_`` (``check_projection_apply_args``)."""
+    check_projection(theta, cost, 0.0, op)
+    lam = _number(lam, "lam", op)
+    if not lam >= 0.0:
+        raise ValueError(f"{op}: lam must be >= 0 (inf allowed), got {lam}")
+    if not isinstance(out, (list, tuple)):
+        raise ValueError(f"{op}: out must be a list of tensors, got {type(out).__name__}")
+    if len(out) != len(theta):
+        raise ValueError(f"{op}: out must have as many tensors as theta ({len(theta)}), got {len(out)}")
+    for i, (o, t) in enumerate(zip(out, theta)):
+        _tensor(o, f"out[{i}]", op)
+        if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device:
+            raise ValueError(f"{op}: out[{i}] must have the shape, dtype and device of theta[{i}] "
+                             f"({list(t.shape)}, {t.dtype}, {t.device}), got {list(o.shape)}, {o.dtype}, {o.device}")
 
 
 def _check_basis(basis, n: int, dtype: torch.dtype, device, op: str) -> None:

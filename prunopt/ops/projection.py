@@ -4,6 +4,7 @@ form, fake kernels and the autograd registration. Kernels:
 :mod:`prunopt.reference.projection`."""
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -12,12 +13,15 @@ from torch import Tensor
 from prunopt._extension import extension_available
 from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
-from prunopt.reference.projection import project_budget_reference
+from prunopt.reference.projection import (project_budget_apply_reference, project_budget_bracket_reference,
+                                         project_budget_reference)
 from prunopt.validation import validate_projection_args
 
-__all__ = ["project_budget", "project_budget_"]
+__all__ = ["project_budget", "project_budget_", "project_budget_bracket", "project_budget_apply_"]
 
 _PROJECTION_DEVICES = _kernel_devices("project_budget")
+_BRACKET_DEVICES = _kernel_devices("project_budget_bracket")
+_APPLY_DEVICES = _kernel_devices("project_budget_apply_")
 
 
 def _use_kernel(tensors: List[Tensor]) -> bool:
@@ -92,6 +96,133 @@ def project_budget_(theta: TensorOrList, budget: float, cost: Optional[TensorOrL
             for t, o in zip(thetas, outs):
                 t.copy_(o)
     return theta
+
+
+def project_budget_bracket(theta: TensorOrList, lo: float, hi: float, cost: Optional[TensorOrList] = None):
+    r"""One pass of the budget projection over ``theta`` for a bracket
+    ``[lo, hi]`` of the multiplier :math:`\lambda` (ProM supplement A.2,
+    eq. 14): what a caller needs to solve :math:`\phi(\lambda) = 0` on the
+    bracket from a small set, without reading ``theta`` again.
+
+    Each element has the breakpoints :math:`k_2 = (t-1)/c` and :math:`k_1 =
+    t/c`: :math:`\mathrm{clamp}(t - \lambda c, 0, 1)` is 1 for :math:`\lambda
+    \le k_2`, :math:`t - \lambda c` between them and 0 after :math:`k_1`. An
+    element with a breakpoint strictly inside ``(lo, hi)`` is *kept*; every
+    other one keeps one form on all of ``[lo, hi]``, so that there
+
+    .. math::
+        \phi(\lambda) = U + F_{ct} - \lambda F_{cc}
+        + \textstyle\sum_{kept} c\,\mathrm{clamp}(t - \lambda c, 0, 1) - S
+
+    with :math:`U = \sum c` over :math:`k_2 \ge hi`, and :math:`F_{ct} =
+    \sum c t`, :math:`F_{cc} = \sum c^2` over :math:`k_2 \le lo,\ k_1 \ge
+    hi`. The sharded projection (:func:`prunopt.distributed.project_budget`)
+    sums these over the processes.
+
+    Args:
+        theta: a tensor or a list of tensors of one floating dtype and device.
+        lo, hi: ``0 <= lo <= hi`` (``hi`` may be ``inf``).
+        cost: optional costs shaped like ``theta`` (default all ones).
+
+    Returns:
+        ``(summary, theta_kept, cost_kept)``: ``summary`` float64
+        ``[U, F_ct, F_cc, bad_theta, bad_cost]`` (a flag is 1 when a score is
+        not finite, or a cost not positive and finite: reported, not raised,
+        so that several processes can agree on it first; then the sums are 0
+        and nothing is kept), and the kept elements' scores and costs in index
+        order, in ``theta``'s dtype (``cost_kept`` empty without costs).
+
+    Raises:
+        TypeError / ValueError: ``theta`` or ``cost`` not tensors of one dtype
+            and device, mismatched shapes, ``lo``/``hi`` not numbers with
+            ``0 <= lo <= hi``.
+    """
+    thetas = [theta] if isinstance(theta, Tensor) else list(theta) if isinstance(theta, (list, tuple)) else None
+    if thetas is None or not thetas or not all(isinstance(t, Tensor) for t in thetas):
+        raise TypeError(f"theta must be a tensor or a non-empty list of tensors, got {type(theta).__name__}")
+    costs = None
+    if cost is not None:
+        costs = [cost] if isinstance(cost, Tensor) else list(cost) if isinstance(cost, (list, tuple)) else None
+        if costs is None or not all(isinstance(c, Tensor) for c in costs):
+            raise TypeError(f"cost must be None, a tensor or a list of tensors, got {type(cost).__name__}")
+    lo, hi = _bracket_ends(lo, hi)
+    if thetas[0].device.type in _BRACKET_DEVICES:
+        return tuple(torch.ops.prunopt.project_budget_bracket(thetas, costs, lo, hi))
+    _fc.check_projection(thetas, costs, 0.0, "project_budget_bracket")
+    return project_budget_bracket_reference(thetas, costs, lo, hi)
+
+
+def project_budget_apply_(out: TensorOrList, theta: TensorOrList, lam: float, cost: Optional[TensorOrList] = None):
+    r"""The projection for a given multiplier, written into ``out``:
+    :math:`out_i = \mathrm{clamp}(\theta_i - \lambda c_i, 0, 1)` (eq. 15),
+    computed in float64 and rounded once to ``theta``'s dtype, as the last
+    pass of :func:`project_budget` (which finds :math:`\lambda^*` first;
+    :func:`prunopt.distributed.project_budget` finds it over several
+    processes and writes with this op). ``out`` may be ``theta`` itself (in
+    place). ``theta`` is not checked for finiteness here (the pass that found
+    ``lam`` did that).
+
+    Args:
+        out: tensors (or one tensor) shaped, typed and placed like ``theta``,
+            not sharing memory with each other.
+        theta: a tensor or a list of tensors of one floating dtype and device.
+        lam: ``lam >= 0`` (``inf`` gives zeros).
+        cost: optional positive costs shaped like ``theta`` (default all ones).
+
+    Returns:
+        ``out``.
+    """
+    outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (list, tuple)) else None
+    thetas = [theta] if isinstance(theta, Tensor) else list(theta) if isinstance(theta, (list, tuple)) else None
+    if outs is None or not all(isinstance(t, Tensor) for t in outs):
+        raise TypeError(f"out must be a tensor or a list of tensors, got {type(out).__name__}")
+    if thetas is None or not all(isinstance(t, Tensor) for t in thetas):
+        raise TypeError(f"theta must be a tensor or a list of tensors, got {type(theta).__name__}")
+    costs = None
+    if cost is not None:
+        costs = [cost] if isinstance(cost, Tensor) else list(cost) if isinstance(cost, (list, tuple)) else None
+        if costs is None or not all(isinstance(c, Tensor) for c in costs):
+            raise TypeError(f"cost must be None, a tensor or a list of tensors, got {type(cost).__name__}")
+    lam = _lam_arg(lam)
+    if not thetas:
+        _fc.check_projection_apply(outs, thetas, costs, lam)
+        return out
+    if thetas[0].device.type in _APPLY_DEVICES:
+        torch.ops.prunopt.project_budget_apply_(outs, thetas, costs, lam)
+        return out
+    _fc.check_projection_apply(outs, thetas, costs, lam)
+    _check_no_overlap(outs, "out")
+    results = project_budget_apply_reference(thetas, costs, lam)
+    with torch.no_grad():
+        for o, r in zip(outs, results):
+            o.copy_(r)
+    return out
+
+
+def _lam_arg(lam, op: str = "project_budget_apply_") -> float:
+    lam = _real(lam, "lam", op)
+    if not lam >= 0.0:
+        raise ValueError(f"{op}: lam must be >= 0 (inf allowed), got {lam}")
+    return lam
+
+
+def _real(v, name: str, op: str) -> float:
+    """``v`` (a Python real number) as a float: TypeError / ValueError naming it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{op}: {name} must be a real number, got {type(v).__name__}")
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{op}: {name} must be a float, got an integer beyond the float range") from None
+
+
+def _bracket_ends(lo, hi, op: str = "project_budget_bracket"):
+    lo, hi = _real(lo, "lo", op), _real(hi, "hi", op)
+    if not (math.isfinite(lo) and lo >= 0.0):
+        raise ValueError(f"{op}: lo must be finite and >= 0, got {lo}")
+    if not hi >= lo:
+        raise ValueError(f"{op}: hi must be >= lo (inf allowed), got lo={lo}, hi={hi}")
+    return lo, hi
 
 
 def _check_grad_writes(thetas: List[Tensor], name: str = "theta", op: str = "project_budget_",
@@ -171,6 +302,22 @@ if extension_available():
     def _project_budget_fake(theta, cost, budget):
         _fc.check_projection(theta, cost, budget, "project_budget")
         return [torch.empty_like(t) for t in theta]
+
+    @torch.library.register_fake("prunopt::project_budget_bracket")
+    def _project_budget_bracket_fake(theta, cost, lo, hi):
+        if not theta:
+            raise ValueError("project_budget_bracket: theta must not be empty (a list of tensors)")
+        _fc.check_projection(theta, cost, 0.0, "project_budget_bracket")
+        _bracket_ends(lo, hi)
+        n = torch.library.get_ctx().new_dynamic_size()
+        return (theta[0].new_empty(5, dtype=torch.float64), theta[0].new_empty(n),
+                theta[0].new_empty(n if cost is not None else 0))
+
+    @torch.library.register_fake("prunopt::project_budget_apply_")
+    def _project_budget_apply_fake(out, theta, cost, lam):
+        _fc.check_projection_apply(out, theta, cost, lam)
+        _fc.check_disjoint_writes([(f"out[{i}]", t) for i, t in enumerate(out)], "project_budget_apply_")
+        return None
 
     @torch.library.register_fake("prunopt::project_budget_")
     def _project_budget_inplace_fake(theta, cost, budget):

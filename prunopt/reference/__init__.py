@@ -1,12 +1,15 @@
 """Readable pure-PyTorch versions of every prunopt op: the oracles the fused
 kernels are tested against, and the fallback when the extension is missing."""
 from prunopt.reference.projection import (
+    project_budget_apply_reference,
+    project_budget_bracket_reference,
     project_budget_reference,
     project_budget_sort,
     projection_phi,
 )
 
-__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]
+__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi", "project_budget_bracket_reference",
+           "project_budget_apply_reference"]
 
 # --- interspace pruning: filter-basis convolution (Wimmer et al.) ---
 from prunopt.reference.interspace import (  # noqa: E402
@@ -77,6 +80,8 @@ __all__ += [
 REFERENCE_FOR_OP = {
     "project_budget": project_budget_reference,
     "project_budget_": project_budget_reference,  # in-place variant
+    "project_budget_bracket": project_budget_bracket_reference,
+    "project_budget_apply_": project_budget_apply_reference,
     "topk_threshold": topk_threshold_reference,
     "topk_bracket": topk_bracket_reference,
     "prunadag_step_": prunadag_step_reference,

@@ -29,7 +29,8 @@ from prunopt.validation import validate_projection_args
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
 
-__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi"]
+__all__ = ["project_budget_reference", "project_budget_sort", "projection_phi", "project_budget_bracket_reference",
+           "project_budget_apply_reference"]
 
 
 def _flatten(thetas: List[Tensor], costs: Optional[List[Tensor]]) -> Tuple[Tensor, Tensor]:
@@ -148,3 +149,59 @@ def project_budget_sort(theta: TensorOrList, budget, cost: Optional[TensorOrList
     thetas, costs, budget, single = validate_projection_args(theta, budget, cost)
     t, c = _flatten(thetas, costs)
     return _finish(thetas, costs, _solve_lambda_sort(t, c, budget), single)
+
+
+def project_budget_bracket_reference(thetas: List[Tensor], costs: Optional[List[Tensor]], lo: float, hi: float):
+    r"""The bracket pass of the budget projection for ``0 <= lo <= hi``
+    (``hi`` may be ``inf``), in float64 (the oracle of the
+    ``project_budget_bracket`` op). An element's breakpoints are
+    :math:`k_2 = (t - 1)/c` and :math:`k_1 = t/c` (eq. 14: it is 1 for
+    :math:`\lambda \le k_2`, free for :math:`k_2 \le \lambda \le k_1`, 0 after).
+    The elements with a breakpoint strictly inside ``(lo, hi)`` are *kept*;
+    every other element has one class on all of ``[lo, hi]``: U
+    (:math:`k_2 \ge hi`), F (:math:`k_2 \le lo,\ k_1 \ge hi`) or L, so
+    there :math:`\phi(\lambda) = \sum_U c + \sum_F c t - \lambda \sum_F c^2
+    + \sum_{kept} c\,\mathrm{clamp}(t - \lambda c, 0, 1) - S`.
+
+    Returns ``(summary, theta_kept, cost_kept)``: ``summary`` float64
+    ``[sum_U c, sum_F c t, sum_F c^2, bad_theta, bad_cost]`` (a flag is 1 when
+    a score is not finite, or a cost not positive and finite; then the sums
+    are 0 and nothing is kept), the kept elements' scores and costs in index
+    order (dtype of ``thetas``; ``cost_kept`` is empty without costs)."""
+    dev = thetas[0].device
+    dtype = thetas[0].dtype
+    t_raw = torch.cat([x.detach().reshape(-1) for x in thetas])
+    t = t_raw.double()
+    c_raw = torch.cat([x.detach().reshape(-1) for x in costs]) if costs is not None else None
+    c = c_raw.double() if c_raw is not None else torch.ones_like(t)
+    summary = torch.zeros(5, dtype=torch.float64, device=dev)
+    empty = torch.empty(0, dtype=dtype, device=dev)
+    bad_t = not bool(torch.isfinite(t).all())
+    bad_c = c_raw is not None and not bool((torch.isfinite(c) & (c > 0)).all())
+    if bad_t or bad_c:
+        summary[3], summary[4] = float(bad_t), float(bad_c)
+        return summary, empty, empty
+    k1, k2 = t / c, (t - 1.0) / c
+    kept = ((k1 > lo) & (k1 < hi)) | ((k2 > lo) & (k2 < hi))
+    up = ~kept & (k2 >= hi)
+    free = ~kept & (k2 <= lo) & (k1 >= hi)
+    summary[0] = c[up].sum()
+    summary[1] = (c * t)[free].sum()
+    summary[2] = (c * c)[free].sum()
+    return summary, t_raw[kept], (c_raw[kept] if c_raw is not None else empty)
+
+
+def project_budget_apply_reference(thetas: List[Tensor], costs: Optional[List[Tensor]], lam: float) -> List[Tensor]:
+    r"""The projection for a given multiplier (eq. 15):
+    :math:`\mathrm{clamp}(\theta - \lambda c, 0, 1)` computed in float64 and
+    rounded once to ``theta``'s dtype (the oracle of the
+    ``project_budget_apply_`` op; ``lam = inf`` gives zeros)."""
+    outs = []
+    for i, t in enumerate(thetas):
+        x = t.detach().double()
+        if math.isinf(lam):
+            x = torch.zeros_like(x)
+        else:
+            x = x - lam * (costs[i].detach().double() if costs is not None else 1.0)
+        outs.append(x.clamp(0.0, 1.0).to(t.dtype))
+    return outs

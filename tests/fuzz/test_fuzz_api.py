@@ -33,6 +33,7 @@ import prunopt.optim as poptim
 import prunopt.pruning as ppr
 from prunopt.reference import (TensorHyper, fb_conv2d_reference, fb_reconstruct_reference,
                                prunadag_bracket_reference, prunadag_norms_reference, project_budget_reference,
+                               project_budget_apply_reference, project_budget_bracket_reference,
                                rgf_relu_reference, sparse_gate_reference, topk_bracket_reference,
                                topk_threshold_reference, two_temperature_sigmoid_reference)
 
@@ -103,6 +104,22 @@ def _check_projection(out, kw):
     _close(out, ref)
 
 
+def _as_list(x):
+    return [x] if isinstance(x, torch.Tensor) else x
+
+
+def _check_projection_bracket(out, kw):
+    summary, kt, kc = project_budget_bracket_reference(_as_list(kw["theta"]), _as_list(kw["cost"]), kw["lo"],
+                                                       kw["hi"])
+    torch.testing.assert_close(out[0], summary, atol=1e-9, rtol=1e-12)
+    assert torch.equal(out[1], kt) and torch.equal(out[2], kc)
+
+
+def _check_projection_apply(out, kw):
+    want = project_budget_apply_reference(_as_list(kw["theta"]), _as_list(kw["cost"]), kw["lam"])
+    assert all(torch.equal(o, w) for o, w in zip(_as_list(out), want))
+
+
 def _check_bracket(out, kw):
     values = [kw["values"]] if isinstance(kw["values"], torch.Tensor) else kw["values"]
     above, cands = topk_bracket_reference(values, kw["lo"], kw["hi"])
@@ -130,6 +147,13 @@ ENTRIES: Dict[str, Entry] = {
                                                                   cost=None), check=_check_projection),
     "ops.project_budget_": Entry(pops.project_budget_, lambda: dict(theta=tensor((7,), torch.float32, 1), budget=2.0,
                                                                     cost=None)),
+    "ops.project_budget_bracket": Entry(pops.project_budget_bracket, lambda: dict(
+        theta=[tensor((7,), torch.float32, 1), tensor((3,), torch.float32, 2)], lo=0.25, hi=0.75, cost=None),
+        check=lambda out, kw: _check_projection_bracket(out, kw)),
+    "ops.project_budget_apply_": Entry(pops.project_budget_apply_, lambda: dict(
+        out=[torch.zeros(7), torch.zeros(3)], theta=[tensor((7,), torch.float32, 1), tensor((3,), torch.float32, 2)],
+        lam=0.25, cost=None), check=lambda out, kw: _check_projection_apply(out, kw),
+        aliases={"out": ["out", "theta"], "theta": ["theta", "out"]}),  # (a list one of them does not match)
     "ops.topk_threshold": Entry(pops.topk_threshold, lambda: dict(values=[tensor((7,), torch.float32, 1)], k=3),
                                 aliases={"values": ["values", "n="]},  # (empty values: "k must be in [1, n=0]")
                                 check=lambda out, kw: _close(out, topk_threshold_reference(kw["values"], kw["k"]))),

@@ -30,7 +30,8 @@ import torch
 from hypothesis import given, strategies as st
 
 import prunopt
-from prunopt.reference import (REFERENCE_FOR_OP, TensorHyper, fb_coefficient_grads_reference, fb_conv2d_reference,
+from prunopt.reference import (REFERENCE_FOR_OP, TensorHyper, project_budget_apply_reference,
+                               project_budget_bracket_reference, fb_coefficient_grads_reference, fb_conv2d_reference,
                                fb_reconstruct_reference, prunadag_bracket_reference, prunadag_norms_reference,
                                prunadag_step_reference, project_budget_sort, rgf_relu_backward_reference,
                                rgf_relu_reference, sparse_gate_backward_reference, sparse_gate_reference,
@@ -175,6 +176,89 @@ def _projection(d, inplace: bool) -> Case:
     return Case(op, args, check, faults)
 
 
+def _projection_lists(d):
+    """1-3 score tensors of one dtype (zeros, subnormals, large values drawn)
+    and, half the time, positive costs shaped like them."""
+    dtype = d.draw(st.sampled_from([F32, F64, F16, BF16]), label="dtype")
+    k = d.draw(st.integers(1, 3), label="tensors")
+    shapes = [tuple(d.draw(st.lists(st.integers(0, 6), max_size=3), label="shape")) for _ in range(k)]
+    seed = d.draw(SEEDS, label="seed")
+    special = d.draw(st.sampled_from(["none", "zeros", "tiny"]), label="special")
+    scale = d.draw(st.sampled_from([0.5, 1.0, 4.0, 1e3]), label="scale")
+    theta = [tensor(s, dtype, seed + i, scale, special) for i, s in enumerate(shapes)]
+    cost = None
+    if d.draw(st.booleans(), label="cost"):
+        cscale = d.draw(st.sampled_from([1.0, 10.0, 1e3]), label="cost scale")
+        cost = [tensor(s, dtype, seed + 50 + i, cscale, low=0.05) for i, s in enumerate(shapes)]
+    return dtype, theta, cost
+
+
+def _list_faults(dtype, a, at: int, cost_at: int) -> List[Fault]:
+    """Faults of a projection op's theta list (at ``at``) and cost list (at ``cost_at``)."""
+    return [
+        Fault("None theta", lambda x: _with(x, (at, 0), None), ["theta"]),
+        Fault("int theta", lambda x: _with(x, (at, 0), _int_like(a)), ["theta"]),
+        Fault("other dtype", lambda x: _with(x, at, x[at] + [torch.zeros(2, dtype=F64 if dtype != F64 else F32)]),
+              ["theta"]),
+        Fault("meta theta", lambda x: _with(x, at, x[at] + [torch.zeros(2, dtype=dtype, device="meta")]),
+              ["theta"]),
+        Fault("cost count", lambda x: _with(x, cost_at, [torch.ones_like(t) for t in x[at]]
+                                            + [torch.ones(1, dtype=dtype)]), ["cost"]),
+        Fault("cost shape", lambda x: _with(x, cost_at, [torch.ones(t.numel() + 1, dtype=dtype) for t in x[at]]),
+              ["cost"]),
+        Fault("cost dtype", lambda x: _with(x, cost_at, [torch.ones(t.shape, dtype=F64 if dtype != F64 else F32)
+                                                         for t in x[at]]), ["cost"]),
+    ]
+
+
+def _projection_bracket(d) -> Case:
+    dtype, theta, cost = _projection_lists(d)
+    lo = d.draw(st.sampled_from([0.0, 0.25, 0.5, 2.0]), label="lo")
+    hi = lo + d.draw(st.sampled_from([0.0, 1e-3, 0.5, 3.0, math.inf]), label="width")
+    args = [theta, cost, lo, hi]
+
+    def check(out, after):
+        summary, kt, kc = project_budget_bracket_reference(theta, cost, lo, hi)
+        torch.testing.assert_close(out[0], summary, atol=1e-9, rtol=1e-12)
+        assert same_bits(out[1], kt) and same_bits(out[2], kc)
+
+    faults = [Fault("negative lo", lambda x: _with(x, 2, -1.0), ["lo"]),
+              Fault("nan lo", lambda x: _with(x, 2, math.nan), ["lo"]),
+              Fault("inf lo", lambda x: _with(x, 2, math.inf), ["lo"]),
+              Fault("hi < lo", lambda x: _with(x, 3, x[2] - 0.5), ["hi"]),
+              Fault("empty theta", lambda x: _with(x, 0, []), ["theta"])]
+    faults += _list_faults(dtype, theta[0], 0, 1)
+    return Case(torch.ops.prunopt.project_budget_bracket, args, check, faults)
+
+
+def _projection_apply(d) -> Case:
+    dtype, theta, cost = _projection_lists(d)
+    lam = d.draw(st.sampled_from([0.0, 1 / 3, 0.5, 7.0, math.inf]), label="lam")
+    inplace = d.draw(st.booleans(), label="in place")
+    out = [t.clone() for t in theta] if inplace else [torch.full_like(t, -7.0) for t in theta]
+    args = [out, theta, cost, lam]
+
+    def check(res, after):
+        want = project_budget_apply_reference(theta, cost, lam)
+        for i, (o, w) in enumerate(zip(after[0], want)):  # (a -0.0 may come out as 0.0)
+            assert o.dtype == w.dtype and torch.equal(o, w), f"out[{i}]"
+
+    a = theta[0]
+    faults = [Fault("negative lam", lambda x: _with(x, 3, -1.0), ["lam"]),
+              Fault("nan lam", lambda x: _with(x, 3, math.nan), ["lam"]),
+              Fault("out count", lambda x: _with(x, 0, x[0] + [torch.zeros(1, dtype=dtype)]), ["out"]),
+              Fault("out shape", lambda x: _with(x, (0, 0), torch.zeros(a.numel() + 1, dtype=dtype)), ["out"]),
+              Fault("out dtype", lambda x: _with(x, (0, 0), torch.zeros(a.shape, dtype=F64 if dtype != F64 else F32)),
+                    ["out"]),
+              Fault("out leaf requiring grad", lambda x: _with(x, (0, 0), torch.zeros(a.shape, dtype=dtype)
+                                                                .requires_grad_()), ["out"])]
+    faults += [f for f in _list_faults(dtype, a, 1, 2) if f.label not in ("other dtype", "meta theta")]
+    if a.numel() > 1:  # an out tensor whose elements share one memory location
+        faults.append(Fault("stride 0 out", lambda x: _with(x, (0, 0), torch.full((1,), 0.5, dtype=dtype)
+                                                             .expand(a.shape)), ["out"]))
+    return Case(torch.ops.prunopt.project_budget_apply_, args, check, faults)
+
+
 def _spoil(t: torch.Tensor, value: float) -> torch.Tensor:
     t = t.clone()
     t.view(-1)[t.numel() // 2] = value
@@ -260,10 +344,6 @@ def _prunadag(d) -> Case:
         Fault("dec_sums dtype", lambda x: _with(x, (2, 0), x[2][0].to(F64 if dtype == F32 else F32)), ["dec_sums"]),
         Fault("grads count", lambda x: _with(x, 3, x[3][:-1]), ["grads"]),
         Fault("params int", lambda x: _with(x, (0, 0), _int_like(x[0][0])), ["params"]),
-        Fault("stride-0 param", lambda x: _with(x, (0, 0), torch.zeros(1, dtype=dtype).expand(shapes[0])),
-              ["params"]),
-        Fault("stride-0 dec_sums", lambda x: _with(x, (2, len(shapes) - 1),
-                                                    torch.ones(1, dtype=dtype).expand(shapes[-1])), ["dec_sums"]),
         Fault("param as its own accumulator", lambda x: _with(x, (1, 0), x[0][0]), ["params", "opt_sums"]),
         Fault("nan grad", lambda x: _with(x, (3, 0), _spoil(x[3][0], math.nan)), ["grad"], data=True),
         Fault("selection shape", lambda x: x + [None, torch.zeros(4, dtype=F64)], ["selection"]),
@@ -274,6 +354,13 @@ def _prunadag(d) -> Case:
         Fault("found_nonfinite dtype", lambda x: x + [torch.zeros(1, dtype=F64)], ["found_nonfinite"]),
         Fault("leaf requiring grad", lambda x: _with(x, (0, 0), x[0][0].clone().requires_grad_()), ["params"]),
     ]
+    # (a stride-0 tensor of one element shares no memory location: no fault)
+    if shapes[0] > 1:
+        faults.append(Fault("stride-0 param", lambda x: _with(x, (0, 0), torch.zeros(1, dtype=dtype)
+                                                               .expand(shapes[0])), ["params"]))
+    if shapes[-1] > 1:
+        faults.append(Fault("stride-0 dec_sums", lambda x: _with(x, (2, len(shapes) - 1), torch.ones(1, dtype=dtype)
+                                                                  .expand(shapes[-1])), ["dec_sums"]))
     return Case(torch.ops.prunopt.prunadag_step_, args, check, faults)
 
 
@@ -720,6 +807,8 @@ def _tts_backward(d) -> Case:
 BUILDERS = {
     "project_budget": lambda d: _projection(d, False),
     "project_budget_": lambda d: _projection(d, True),
+    "project_budget_bracket": _projection_bracket,
+    "project_budget_apply_": _projection_apply,
     "topk_threshold": _topk,
     "topk_bracket": _topk_bracket,
     "prunadag_step_": _prunadag,

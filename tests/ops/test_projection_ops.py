@@ -564,3 +564,172 @@ def test_a_million_tied_scores_within_1e12(monkeypatch, solver):
     assert (x - 0.1).abs().max().item() <= 1e-12
     y = project_budget(torch.full((3 * 10**5,), 0.7, dtype=torch.float64), 0.3 * 3e5)
     assert (y - 0.3).abs().max().item() <= 1e-12
+
+
+# ------------------------------------------ the bracket pass and the apply pass
+
+@st.composite
+def bracket_case(draw):
+    sizes = draw(st.lists(st.sampled_from([0, 1, 5, 100, 4097, 70_000]), min_size=1, max_size=3))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    with_cost = draw(st.booleans())
+    lo = draw(st.sampled_from([0.0, 0.1, 0.5, 0.69, 3.0]))
+    width = draw(st.sampled_from([0.0, 1e-6, 0.01, 0.4, math.inf]))
+    noncontig = draw(st.booleans())
+    return sizes, dtype, seed, with_cost, lo, width, noncontig
+
+
+def _bracket_inputs(sizes, dtype, seed, with_cost, noncontig):
+    g = torch.Generator().manual_seed(seed)
+    ts, cs = [], ([] if with_cost else None)
+    for n in sizes:
+        t = (torch.rand(2 * n if noncontig else n, generator=g, dtype=torch.float64) * 2.4 - 0.6).to(dtype)
+        ts.append(t[::2] if noncontig else t)
+        if with_cost:
+            c = (torch.rand(2 * n if noncontig else n, generator=g, dtype=torch.float64) * 2 + 0.05).to(dtype)
+            cs.append(c[::2] if noncontig else c)
+    return ts, cs
+
+
+@needs_ext
+@given(bracket_case())
+@example(([70_000], torch.float32, 0, False, 0.69, 0.01, False))  # the vectorised float32 pass
+@example(([70_000, 5], torch.float64, 1, True, 0.5, math.inf, True))
+def test_bracket_pass_matches_reference(case):
+    """The kept elements bit for bit and in index order, the U and F sums to
+    float64 rounding: every dtype, costs or not, strided inputs, empty
+    tensors, brackets from a point to [lo, inf)."""
+    from prunopt.ops import project_budget_bracket
+    from prunopt.reference import project_budget_bracket_reference
+
+    sizes, dtype, seed, with_cost, lo, width, noncontig = case
+    ts, cs = _bracket_inputs(sizes, dtype, seed, with_cost, noncontig)
+    hi = lo + width
+    summary, kt, kc = project_budget_bracket(ts, lo, hi, cs)
+    want = project_budget_bracket_reference(ts, cs, lo, hi)
+    assert summary.dtype == torch.float64 and kt.dtype == dtype and kc.dtype == dtype
+    torch.testing.assert_close(summary, want[0], rtol=1e-12, atol=1e-9)
+    assert torch.equal(kt, want[1]) and torch.equal(kc, want[2])
+    assert (kc.numel() == kt.numel()) if with_cost else kc.numel() == 0
+
+
+@needs_ext
+@pytest.mark.parametrize("with_cost", [False, True])
+def test_bracket_pass_gives_phi_on_the_bracket(with_cost):
+    """On [lo, hi], phi(lam) = U + F_ct - lam F_cc + sum over the kept elements
+    (eq. 14), for any lam inside: checked against phi summed over all elements."""
+    from prunopt.ops import project_budget_bracket
+    from prunopt.reference import projection_phi
+
+    ts, cs = _bracket_inputs([50_000, 333], torch.float32, 3, with_cost, False)
+    t = torch.cat(ts).double()
+    c = torch.cat(cs).double() if with_cost else torch.ones_like(t)
+    lo, hi = 0.6, 0.62
+    summary, kt, kc = project_budget_bracket(ts, lo, hi, cs)
+    u, fct, fcc, bad_t, bad_c = summary.tolist()
+    assert bad_t == bad_c == 0.0 and 0 < kt.numel() < t.numel() // 10
+    kc = kc.double() if with_cost else torch.ones_like(kt, dtype=torch.float64)
+    for lam in (lo, 0.605, 0.61999, hi):
+        got = u + fct - lam * fcc + float((kc * (kt.double() - lam * kc).clamp(0, 1)).sum()) - 100.0
+        assert got == pytest.approx(float(projection_phi(t, c, lam, 100.0)), rel=1e-12, abs=1e-9)
+
+
+@needs_ext
+@pytest.mark.parametrize("bad", ["nan", "inf", "zero_cost", "negative_cost", "nan_cost"])
+def test_bracket_pass_reports_bad_input(bad):
+    from prunopt.ops import project_budget_bracket
+
+    t = torch.rand(10_000)
+    c = torch.rand(10_000) + 0.5
+    if bad in ("nan", "inf"):
+        t[4321] = math.nan if bad == "nan" else -math.inf
+    else:
+        c[77] = {"zero_cost": 0.0, "negative_cost": -1.0, "nan_cost": math.nan}[bad]
+    summary, kt, kc = project_budget_bracket([t], 0.2, 0.3, [c])
+    assert summary.tolist() == ([0.0, 0.0, 0.0, 1.0, 0.0] if bad in ("nan", "inf") else [0.0, 0.0, 0.0, 0.0, 1.0])
+    assert kt.numel() == 0 and kc.numel() == 0
+
+
+@needs_ext
+@given(bracket_case(), st.sampled_from([0.0, 1 / 3, 0.7, 5.0, math.inf]), st.booleans())
+def test_apply_pass_matches_reference(case, lam, inplace):
+    """clamp(theta - lam c, 0, 1) in double, rounded once: equal to the
+    reference, into new tensors or in place (strided ones too)."""
+    from prunopt.ops import project_budget_apply_
+    from prunopt.reference import project_budget_apply_reference
+
+    sizes, dtype, seed, with_cost, _, _, noncontig = case
+    ts, cs = _bracket_inputs(sizes, dtype, seed, with_cost, noncontig)
+    want = project_budget_apply_reference(ts, cs, lam)
+    out = ts if inplace else [torch.full_like(t, 9.0) for t in ts]
+    assert project_budget_apply_(out, ts, lam, cs) is out
+    for o, w in zip(out, want):
+        assert o.dtype == dtype and torch.equal(o, w)
+
+
+@needs_ext
+def test_projection_is_the_bracket_then_the_apply_pass():
+    """project_budget's lambda, found from the bracket pass's sums and kept
+    elements, then written by the apply pass: the one-process projection."""
+    from prunopt.distributed import _set_root
+    from prunopt.ops import project_budget_apply_, project_budget_bracket
+
+    t = torch.rand(100_000, generator=torch.Generator().manual_seed(5)) * 1.2
+    S = 0.1 * t.numel()
+    lo, hi = 0.70, 0.72
+    summary, kt, _ = project_budget_bracket(t, lo, hi)
+    lam = _set_root(kt.double(), torch.ones(kt.numel(), dtype=torch.float64), None, summary[:3].tolist(), S, lo, hi)
+    out = project_budget_apply_(torch.empty_like(t), t, lam)
+    assert (out.double() - project_budget_sort(t.double(), S)).abs().max().item() <= 1e-6
+
+
+@needs_ext
+@pytest.mark.parametrize("cost", [False, True])
+def test_bracket_and_apply_opcheck(cost):
+    ts = [torch.rand(300) * 1.2, torch.rand(5, 4)]
+    cs = [torch.rand_like(t) + 0.5 for t in ts] if cost else None
+    torch.library.opcheck(torch.ops.prunopt.project_budget_bracket.default, (ts, cs, 0.3, 0.5))
+    torch.library.opcheck(torch.ops.prunopt.project_budget_bracket.default, (ts, cs, 0.0, math.inf))
+    torch.library.opcheck(torch.ops.prunopt.project_budget_apply_.default,
+                          ([torch.empty_like(t) for t in ts], ts, cs, 0.4))
+    torch.library.opcheck(torch.ops.prunopt.project_budget_apply_.default,
+                          ([t.clone() for t in ts], [t.clone() for t in ts], cs, math.inf))
+
+
+@needs_ext
+def test_bracket_and_apply_errors_name_the_argument():
+    from prunopt.ops import project_budget_apply_, project_budget_bracket
+
+    t = torch.rand(8)
+    for args, exc, match in [
+        ((t, -1.0, 1.0), ValueError, "lo"),
+        ((t, math.nan, 1.0), ValueError, "lo"),
+        ((t, 0.5, 0.25), ValueError, "hi"),
+        ((t, "0", 1.0), TypeError, "lo"),
+        (([], 0.0, 1.0), TypeError, "theta"),
+        ((t.long(), 0.0, 1.0), ValueError, "theta"),
+    ]:
+        with pytest.raises(exc, match=match):
+            project_budget_bracket(*args)
+    with pytest.raises(ValueError, match="cost"):
+        project_budget_bracket(t, 0.0, 1.0, torch.rand(9))
+    with pytest.raises(ValueError, match="theta must not be empty"):
+        torch.ops.prunopt.project_budget_bracket([], [t], 0.0, 1.0)  # (the only tensors in the optional list)
+    for args, exc, match in [
+        ((torch.empty(8), t, -1.0), ValueError, "lam"),
+        ((torch.empty(8), t, math.nan), ValueError, "lam"),
+        ((torch.empty(9), t, 0.5), ValueError, "out"),
+        ((torch.empty(8, dtype=torch.float64), t, 0.5), ValueError, "out"),
+        ((torch.empty(8), t, "x"), TypeError, "lam"),
+        (([torch.empty(8)], [t, t], 0.5), ValueError, "out"),
+    ]:
+        with pytest.raises(exc, match=match):
+            project_budget_apply_(*args)
+    leaf = torch.zeros(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        project_budget_apply_(leaf, t, 0.5)
+    keep = torch.full((8,), 3.0)
+    with pytest.raises(ValueError, match="out"):
+        project_budget_apply_([keep, keep], [t, t], 0.5)
+    assert torch.equal(keep, torch.full((8,), 3.0))  # nothing written

@@ -149,10 +149,27 @@ inline void check_disjoint_writes(const std::vector<Written>& ts, const char* op
 
 // The in-place projection treats every element as a separate score (see
 // check_disjoint_writes).
-inline void check_no_overlap(at::TensorList theta, const char* op) {
+// project_budget_apply_'s arguments: out and theta of one length, each
+// out[i] of the shape, dtype and device of theta[i]; lam >= 0 (inf allowed).
+inline void check_projection_apply_args(at::TensorList out, at::TensorList theta,
+    const c10::optional<at::TensorList>& cost, double lam, const char* op) {
+  check_projection_args(theta, cost, 0.0, op);
+  TORCH_CHECK_VALUE(!std::isnan(lam) && lam >= 0.0, op, ": lam must be >= 0 (inf allowed), got ", lam);
+  TORCH_CHECK_VALUE(out.size() == theta.size(), op, ": out must have as many tensors as theta (", theta.size(),
+      "), got ", out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    TORCH_CHECK_VALUE(out[i].sizes() == theta[i].sizes() && out[i].scalar_type() == theta[i].scalar_type() &&
+        out[i].device() == theta[i].device(), op, ": out[", i, "] must have the shape, dtype and device of theta[",
+        i, "] (", theta[i].sizes(), ", ", theta[i].scalar_type(), ", ", theta[i].device(), "), got ",
+        out[i].sizes(), ", ", out[i].scalar_type(), ", ", out[i].device());
+  }
+}
+
+// (`name`: the argument the tensors came in, for the message)
+inline void check_no_overlap(at::TensorList theta, const char* op, const char* name = "theta") {
   std::vector<Written> ts;
   ts.reserve(theta.size());
-  for (size_t i = 0; i < theta.size(); ++i) ts.push_back({"theta", static_cast<int64_t>(i), theta[i]});
+  for (size_t i = 0; i < theta.size(); ++i) ts.push_back({name, static_cast<int64_t>(i), theta[i]});
   check_disjoint_writes(ts, op);
 }
 
