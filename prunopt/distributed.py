@@ -55,6 +55,7 @@ from prunopt.ops.projection import _check_grad_writes, _check_no_overlap
 from prunopt.ops.projection import project_budget as _project_budget_one
 from prunopt.ops.projection import project_budget_ as _project_budget_one_
 from prunopt._extension import extension_available
+from prunopt.ops._registry import _kernel_devices
 from prunopt.ops.prunadag import topk_bracket as _topk_bracket
 from prunopt.ops.prunadag import topk_threshold as _topk_threshold_one
 from prunopt.validation import as_tensor_list, validate_projection_args
@@ -1222,7 +1223,10 @@ class _Buckets:
         per = -(-width // _PROJ_BUCKETS)
         self.shift = max(0, (per - 1).bit_length())
         self.nb = -((-width) >> self.shift)
-        self.edges = [_b2f(self.lo_b + (j << self.shift)) for j in range(self.nb)] + [hi]
+        # (float64 edges from their bit patterns in one vector op: nb + 1 of them)
+        bits = torch.arange(self.nb + 1, dtype=torch.int64).bitwise_left_shift_(self.shift).add_(self.lo_b)
+        self.edges = bits.view(torch.float64)
+        self.edges[self.nb] = hi
         self.aligned = width == self.nb << self.shift
         # ceil((bits - lo) / 2**shift) as one shift: (bits - lo - 1 + 2**shift) >> shift
         self.offset = self.lo_b + 1 - (1 << self.shift)
@@ -1389,14 +1393,14 @@ def _propose(hist: Tensor, free_cc: float, buckets: _Buckets, phi_lo: float, phi
     with sums taken directly over the data."""
     h = hist.view(5, -1).cpu().cumsum(1)[:, :buckets.nb + 1]  # prefix sums: the elements with m <= j
     nb = buckets.nb
-    lam = torch.tensor(buckets.edges, dtype=torch.float64) - buckets.edges[0]
+    lam = buckets.edges - buckets.edges[0]
     started = h[0] - h[2]  # free at lambda_j: started (m2 <= j) and not stopped (m1 > j)
     drop = lam * (started + free_cc) - (h[1] - h[3]) + h[4]
     phi = phi_lo - torch.nan_to_num(drop, nan=0.0, posinf=0.0)
     phi[0], phi[nb] = phi_lo, phi_hi
     below = torch.nonzero(phi[1:] <= 0)
     j = int(below[0]) + 1 if below.numel() else nb
-    return buckets.edges[j - 1], buckets.edges[j]
+    return float(buckets.edges[j - 1]), float(buckets.edges[j])
 
 
 def _compact(blocks: List[_Block], masks: List[Tensor]) -> List[_Block]:
@@ -1408,7 +1412,8 @@ def _compact(blocks: List[_Block], masks: List[Tensor]) -> List[_Block]:
     return _chunks(t, c)
 
 
-def _solve_lambda(blocks: List[_Block], has_cost: bool, budget: float, plan: _Plan, device) -> float:
+def _solve_lambda(blocks: List[_Block], has_cost: bool, budget: float, plan: _Plan, device,
+                  start: Optional[Tuple[float, float, Tuple[float, float, float]]] = None) -> float:
     """lambda* of the projection over all ranks; every rank returns the same value.
 
     Keeps a verified bracket ``V`` (``phi(lo) > 0 >= phi(hi)`` from direct sums;
@@ -1421,13 +1426,21 @@ def _solve_lambda(blocks: List[_Block], has_cost: bool, budget: float, plan: _Pl
     the one-process solvers; refuted, ``V`` is cut at ``P``'s end and the next
     proposal reaches out from there. In the usual case the whole data are read
     twice (the first pass, with the histograms of a sample; the check of the
-    first proposal, which also compacts) and later passes read the candidates."""
+    first proposal, which also compacts) and later passes read the candidates.
+
+    ``start = (lo, hi, base)``: the search goes on from a bracket already
+    verified (the input checked), with ``blocks`` exactly its candidates and
+    ``base`` this rank's sums of the others (:func:`_bracketed_lambda`)."""
     vlo, vhi = 0.0, math.inf
-    plo, phi = vlo, vhi
     base = (0.0, 0.0, 0.0)
     exact = False  # whether the blocks are exactly V's candidates
     compacted = False
     first = True
+    if start is not None:
+        vlo, vhi, base = start
+        exact = compacted = True
+        first = False
+    plo, phi = vlo, vhi
     for _ in range(_MAX_PASSES):
         if not first and _f2b(vhi) - _f2b(vlo) <= _ULPS:
             # V is a few ulps wide: the sums cannot place the root more closely (it
@@ -1515,17 +1528,282 @@ def _projection_inputs(theta, budget, cost, group):
 
 
 def _solve_for(plan: _Plan, costs: Optional[List[Tensor]], budget: float) -> float:
-    blocks = []
-    for i, (t, counted) in enumerate(zip(plan.locals, plan.counted)):
-        if counted:
-            blocks += _chunks(t, costs[i] if costs is not None else None)
+    ts = [t for t, counted in zip(plan.locals, plan.counted) if counted]
+    cs = [c for c, counted in zip(costs, plan.counted) if counted] if costs is not None else None
     device = plan.locals[0].device if plan.locals else _default_device(plan.groups)
-    return _solve_lambda(blocks, costs is not None, budget, plan, device)
+    if device.type in _PROJ_DEVICES:
+        return _bracketed_lambda(ts, cs, budget, plan, device)
+    return _solve_lambda(_blocks_of(ts, cs), costs is not None, budget, plan, device)
+
+
+def _blocks_of(ts: List[Tensor], cs: Optional[List[Tensor]]) -> List[_Block]:
+    blocks = []
+    for i, t in enumerate(ts):
+        blocks += _chunks(t, cs[i] if cs is not None else None)
+    return blocks
+
+
+# The sharded projection in few collectives (_bracketed_lambda): a sample of
+# _PROJ_SAMPLE elements over all ranks (ceil(_PROJ_SAMPLE / W) per rank, in
+# runs of _PROJ_RUN consecutive elements), a bracket of _PROJ_Z standard
+# deviations of the sampled phi (over its slope) either side of the sampled
+# root, at least _PROJ_MIN_WIDTH of it (relative); up to _PROJ_GATHER kept
+# elements over all ranks travel in a pass's collective and are solved
+# exactly; after _PROJ_LEVELS levels the histogram search goes on.
+_PROJ_DEVICES = frozenset({"cpu"}) & _kernel_devices("project_budget_bracket", meta=False)
+_PROJ_SAMPLE, _PROJ_RUN, _PROJ_Z, _PROJ_MIN_WIDTH = 8192, 8, 4.0, 1e-9
+_PROJ_GATHER, _PROJ_LEVELS = 4096, 8
+
+
+def _proj_sizes(world: int) -> Tuple[int, int]:
+    """The float64 entries of :func:`_bracketed_lambda`'s collectives over
+    ``world`` ranks: the sample collective, and each pass's (the sweep's
+    head and histograms, three flags, the gathered kept elements)."""
+    per = -(-_PROJ_SAMPLE // world)
+    cap = -(-_PROJ_GATHER // world)
+    return world * (2 + 2 * per) + 9, _HEAD + 5 * (_PROJ_BUCKETS + 2) + 3 + world * (1 + 2 * cap)
+
+
+def _proj_sample(ts: List[Tensor], cs: Optional[List[Tensor]], m: int) -> Tuple[int, Tensor, Tensor]:
+    """This rank's ``n_r`` and up to ``m`` of its ``(t, c)`` (float64, ``c = 1``
+    without costs), spread over its elements in runs of ``_PROJ_RUN`` (all of
+    them when they are ``m`` or fewer), leaving out non-finite scores and bad
+    costs (the pass reports those)."""
+    flat = [t.detach().reshape(-1) for t in ts]
+    sizes = [t.numel() for t in flat]
+    n_r = sum(sizes)
+    empty = torch.zeros(0, dtype=torch.float64)
+    if n_r == 0 or m == 0:
+        return n_r, empty, empty
+    if n_r <= m:
+        idx = torch.arange(n_r)
+    else:
+        runs = max(1, m // _PROJ_RUN)
+        run = min(_PROJ_RUN, m)
+        starts = torch.arange(runs, dtype=torch.int64) * (n_r - run) // max(runs - 1, 1)
+        idx = (starts[:, None] + torch.arange(run)).reshape(-1)
+    tparts, cparts = [], []
+    at = 0
+    for i, (v, n) in enumerate(zip(flat, sizes)):
+        lo, hi = torch.searchsorted(idx, at), torch.searchsorted(idx, at + n)
+        if hi > lo:
+            j = idx[lo:hi] - at
+            tparts.append(v.index_select(0, j.to(v.device)).double().cpu())
+            c = cs[i].detach().reshape(-1).index_select(0, j.to(v.device)).double().cpu() if cs is not None else None
+            cparts.append(c if c is not None else torch.ones(j.numel(), dtype=torch.float64))
+        at += n
+    t, c = torch.cat(tparts), torch.cat(cparts)
+    ok = torch.isfinite(t) & torch.isfinite(c) & (c > 0)
+    return n_r, t[ok], c[ok]
+
+
+def _phi_at(t: Tensor, c: Tensor, w: Optional[Tensor], base: Sequence[float], budget: float, lam: float) -> float:
+    """``base(lam) + sum w c clamp(t - lam c, 0, 1) - S`` (``base`` the U, F
+    sums ``(u, f_ct, f_cc)`` of elements of fixed class, ``w = 1`` if None)."""
+    y = (t - lam * c).clamp_(0.0, 1.0).mul_(c)
+    if w is not None:
+        y.mul_(w)
+    return base[0] + base[1] - lam * base[2] + float(y.sum()) - budget
+
+
+def _set_root(t: Tensor, c: Tensor, w: Optional[Tensor], base: Sequence[float], budget: float, lo: float,
+              hi: float) -> float:
+    """The root of :func:`_phi_at` on ``[lo, hi]`` (``phi(lo) > 0 >= phi(hi)``
+    taken as given): a binary search over the set's breakpoints inside ``(lo,
+    hi)`` with phi summed directly at each, then the linear piece between two
+    neighbours, whose root is one division (the one-process solvers' exact
+    root, for a small set)."""
+    k1, k2 = t / c, (t - 1.0) / c
+    pts = torch.cat([k1, k2])
+    pts = torch.unique(pts[(pts > lo) & (pts < hi)]).tolist()
+    pts = [lo] + pts + [hi]
+    i, j = 0, len(pts) - 1  # phi(pts[i]) > 0 >= phi(pts[j])
+    while j - i > 1:
+        mid = (i + j) // 2
+        if _phi_at(t, c, w, base, budget, pts[mid]) > 0:
+            i = mid
+        else:
+            j = mid
+    a, b = pts[i], pts[j]
+    wc = c if w is None else w * c
+    up = k2 >= b
+    free = (k2 <= a) & (k1 >= b)
+    fcc = base[2] + float((wc * c)[free].sum())
+    if not fcc > 0:
+        return b
+    root = (base[0] + float(wc[up].sum()) + base[1] + float((wc * t)[free].sum()) - budget) / fcc
+    return min(max(root, a), b)
+
+
+def _sample_bracket_of(slots: List[Tuple[int, Tensor, Tensor]], budget: float) -> Tuple[float, float]:
+    """A bracket of lambda* from every rank's sample ``(n_r, t, c)``: the root
+    of the sampled phi (each rank's elements weighted ``n_r / m_r``), widened
+    by ``_PROJ_Z`` standard deviations of the sampled phi there (the ranks'
+    samples are strata: the variance is the sum of theirs) over its slope.
+    The same floats on every rank (the same slots, the same order)."""
+    ts, cs, ws, ranks = [], [], [], []
+    var = 0.0
+    for r, (n_r, t, c) in enumerate(slots):
+        if t.numel():
+            ts.append(t)
+            cs.append(c)
+            ws.append(torch.full_like(t, n_r / t.numel()))
+            ranks.append(torch.full((t.numel(),), r, dtype=torch.int64))
+    if not ts:
+        return 0.0, math.inf
+    t, c, w, rank = torch.cat(ts), torch.cat(cs), torch.cat(ws), torch.cat(ranks)
+    zero = (0.0, 0.0, 0.0)
+    if _phi_at(t, c, w, zero, budget, 0.0) <= 0:
+        lam = 0.0
+    else:
+        top = float((t / c).max())  # phi(max t/c) = -S < 0
+        lam = _set_root(t, c, w, zero, budget, 0.0, top)
+    y = (t - lam * c).clamp_(0.0, 1.0).mul_(c)
+    for r, (n_r, tr, _) in enumerate(slots):
+        m = tr.numel()
+        if m and m < n_r:
+            yr = y[rank == r]
+            var += n_r * n_r * float(yr.var(correction=0)) / m * (1.0 - m / n_r)
+    k1, k2 = t / c, (t - 1.0) / c
+    slope = float((w * c * c)[(k2 < lam) & (k1 > lam)].sum())
+    scale = max(1.0, abs(lam))
+    delta = _PROJ_Z * math.sqrt(var) / slope if slope > 0 else 1e-3 * scale
+    delta = max(delta, _PROJ_MIN_WIDTH * scale)
+    return max(0.0, lam - delta), lam + delta
+
+
+def _bracketed_lambda(ts: List[Tensor], cs: Optional[List[Tensor]], budget: float, plan: _Plan, device) -> float:
+    """lambda* of the sharded projection in few collectives (CPU):
+
+    1. every rank puts a sample of its elements in its slot of the first
+       ``all_reduce`` (with the checks every rank must agree on), and every
+       rank brackets lambda* alike from all of them
+       (:func:`_sample_bracket_of`);
+    2. one ``project_budget_bracket`` pass over this rank's elements keeps
+       those with a breakpoint inside the bracket and sums the others (their
+       class is fixed on it), and checks the input; the next ``all_reduce``
+       verifies the bracket by phi at its ends (summed directly), carries the
+       histograms of the kept breakpoints on 2048 sub-buckets and, when they
+       are ``_PROJ_GATHER`` or fewer over all ranks, the kept elements
+       themselves, which every rank then solves exactly (:func:`_set_root`);
+    3. otherwise the sub-bucket the histograms point to is the next bracket,
+       and the kept elements the data of the next pass (the op again, on
+       them), and so on.
+
+    Three collectives on data alike across ranks. A bracket that the sums
+    refute (a misleading sample) hands over to the histogram search
+    (:func:`_solve_lambda`), from scratch or from the last verified bracket:
+    the result never depends on the sample, only the time."""
+    from prunopt.ops.projection import project_budget_bracket
+
+    world, me = plan.world, _rank_index(plan.groups)
+    has_cost = cs is not None
+    per = -(-_PROJ_SAMPLE // world)
+    n_r, st, sc = _proj_sample(ts, cs, per)
+    # 1) the sample collective: slots [n_r, m_r, t (per), c (per)], then the checks
+    slot = 2 + 2 * per
+    vec = torch.zeros(world * slot + 9, dtype=torch.float64)
+    at = me * slot
+    m_r = st.numel()
+    vec[at], vec[at + 1] = float(n_r), float(m_r)
+    vec[at + 2:at + 2 + m_r] = st
+    vec[at + 2 + per:at + 2 + per + m_r] = sc
+    checks = world * slot
+    vec[checks] = 1.0 if has_cost else 0.0
+    limbs = _limbs(_f2b(budget), 4, 16)
+    vec[checks + 1:checks + 9] = torch.tensor([float(x) for x in limbs] + [float(x * x) for x in limbs],
+                                              dtype=torch.float64)
+    _all_reduce(vec, plan.groups)
+    head = vec[checks:].tolist()
+    if head[0] not in (0.0, float(world)):
+        raise ValueError("cost must be given on every rank or on none")
+    if not _limbs_agree(head[1:5], head[5:9], world):
+        raise ValueError(f"budget must be the same on every rank, got {budget} on this one")
+    rows = vec[:world * slot].view(world, slot)
+    slots = []
+    for r in range(world):
+        nr, mr = int(rows[r, 0]), int(rows[r, 1])
+        slots.append((nr, rows[r, 2:2 + mr], rows[r, 2 + per:2 + per + mr]))
+    if budget > 0:
+        lo, hi = _sample_bracket_of(slots, budget)
+    else:
+        lo, hi = 0.0, 0.0  # the pass only checks the input
+    # 2-3) the passes: the op over this rank's data (first all of it, then what
+    # the last pass kept), then one all_reduce
+    cap = -(-_PROJ_GATHER // world)
+    data_t, data_c = [t for t in ts if t.numel()], ([c for t, c in zip(ts, cs) if t.numel()] if has_cost else None)
+    base = (0.0, 0.0, 0.0)
+    verified = None  # (lo, hi, blocks, base) of the last verified bracket
+    for level in range(_PROJ_LEVELS):
+        if data_t:
+            summary, kt, kc = project_budget_bracket(data_t, lo, hi, data_c)
+            s = summary.tolist()
+        else:
+            s, kt, kc = [0.0] * 5, torch.zeros(0, dtype=torch.float64), None
+        base = (base[0] + s[0], base[1] + s[1], base[2] + s[2])
+        kt = kt.double()
+        kc = kc.double() if has_cost and kc is not None else None
+        blocks = _chunks(kt, kc)
+        buckets = _Buckets(lo, hi) if hi > lo else None
+        sweep, _, _ = _sweep(blocks, base, lo, hi, buckets, first=False, ends=True, classify=False, sample=False,
+                             has_cost=has_cost, budget=budget, device=torch.device("cpu"))
+        nk = kt.numel()
+        area = torch.zeros(world * (1 + 2 * cap), dtype=torch.float64)
+        if nk <= cap:
+            at = me * (1 + 2 * cap)
+            area[at] = float(nk)
+            area[at + 1:at + 1 + nk] = kt
+            area[at + 1 + cap:at + 1 + cap + nk] = kc if kc is not None else 1.0
+        flags = torch.tensor([s[3], s[4], float(nk > cap)], dtype=torch.float64)
+        full = torch.cat([sweep, flags, area])
+        _all_reduce(full, plan.groups)
+        ns = sweep.numel()
+        head = full[:_HEAD].tolist()
+        bad_t, bad_c, over = full[ns:ns + 3].tolist()
+        if bad_t:
+            raise ValueError("project_budget: theta contains a non-finite value (on at least one rank)")
+        if bad_c:
+            raise ValueError("project_budget: cost must be positive and finite everywhere (on at least one rank)")
+        if budget == 0:
+            return math.inf  # every score goes to zero
+        phi_lo = head[_PHI_LO] - budget
+        phi_hi = head[_PHI_HI] - budget if math.isfinite(hi) else -budget
+        if level == 0 and lo == 0.0 and phi_lo <= 0:
+            return 0.0  # slack budget: clamp only (phi(0) summed directly)
+        known = verified is not None
+        pos = (known and lo == verified[0]) or phi_lo > 0
+        nonpos = (known and hi == verified[1]) or phi_hi <= 0
+        if not (pos and nonpos):
+            break  # refuted: the histogram search takes over
+        verified = (lo, hi, blocks, base)
+        if head[_NCAND] == 0:
+            su, sfct, sfcc = head[_BP:_BP + 3]
+            return hi if sfcc <= 0 else min(max((su + sfct - budget) / sfcc, lo), hi)
+        if not over:
+            gathered = full[ns + 3:].view(world, 1 + 2 * cap)
+            tt, cc = [], []
+            for r in range(world):
+                k = int(gathered[r, 0])
+                tt.append(gathered[r, 1:1 + k])
+                cc.append(gathered[r, 1 + cap:1 + cap + k])
+            return _set_root(torch.cat(tt), torch.cat(cc), None, head[_BP:_BP + 3], budget, lo, hi)
+        if _f2b(hi) - _f2b(lo) <= _ULPS:
+            return hi  # as _solve_lambda: the sums cannot place the root more closely
+        lo, hi = _propose(full[_HEAD:ns], head[_BV + 2], buckets, phi_lo, phi_hi)
+        data_t, data_c = ([kt] if nk else []), ([kc] if (has_cost and nk) else None)
+    if verified is None:
+        return _solve_lambda(_blocks_of(ts, cs), has_cost, budget, plan, device)
+    vlo, vhi, blocks, vbase = verified
+    return _solve_lambda(blocks, has_cost, budget, plan, device, start=(vlo, vhi, vbase))
 
 
 def _write_projection(src: Tensor, cost: Optional[Tensor], lam: float, dst: Tensor) -> None:
     """``dst = clamp(src - lam cost, 0, 1)`` computed in float64 and rounded once
-    (in blocks of contiguous memory, to bound the temporaries)."""
+    (the ``project_budget_apply_`` op where it has a kernel; otherwise in
+    blocks of contiguous memory, to bound the temporaries)."""
+    if src.numel() and src.device.type in _APPLY_DEVICES:
+        torch.ops.prunopt.project_budget_apply_([dst], [src], [cost] if cost is not None else None, lam)
+        return
     if lam == 0.0:
         torch.clamp(src, 0.0, 1.0, out=dst) if dst is not src else src.clamp_(0.0, 1.0)
         return
@@ -1542,6 +1820,9 @@ def _write_projection(src: Tensor, cost: Optional[Tensor], lam: float, dst: Tens
     for a, b, c in zip(s, d, cs):
         x = a.double() - (lam if c is None else lam * c.double())
         b.copy_(x.clamp_(0.0, 1.0))
+
+
+_APPLY_DEVICES = _kernel_devices("project_budget_apply_", meta=False)
 
 
 def _wrap_like(t: Tensor, local: Tensor) -> Tensor:

@@ -492,7 +492,7 @@ def test_buckets_index_counts_edges_below():
     for lo, hi in ((0.0, math.inf), (0.5, 1.0), (0.3, 0.30000000000000004 * 3), (1e-300, 2e-300),
                    (0.25, 0.25 + 2 ** -40)):
         b = D._Buckets(lo, hi)
-        edges = torch.tensor(b.edges, dtype=torch.float64)
+        edges = b.edges
         assert b.nb <= D._PROJ_BUCKETS and torch.all(edges[1:] > edges[:-1])
         keys = torch.cat([edges, edges.nextafter(torch.tensor(math.inf, dtype=torch.float64)),
                           edges.nextafter(torch.tensor(-math.inf, dtype=torch.float64)),
