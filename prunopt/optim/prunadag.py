@@ -917,11 +917,15 @@ class PrunAdag(torch.optim.Optimizer):
     selects over each logical tensor, never per shard. The state
     (``sum``, ``decrease_sum``) is sharded like the parameters (DTensors), so
     ``torch.distributed.checkpoint`` saves and loads it like torch's
-    optimizers' state. Per step and scope this costs the threshold's
-    collectives (3 ``all_reduce`` of at most 16 KB for float32, 6 for float64)
-    plus, for all scopes together, one ``all_reduce`` of the finiteness count
-    and one of the norms; the sharded step is not traced by ``torch.compile``
-    (its collectives and host reads break the graph).
+    optimizers' state. Per step and scope, float32/float64 on the CPU, the
+    selection's collectives carry the norms and the finiteness too: 2
+    ``all_reduce`` when the shards' values are alike (the threshold's two
+    rounds; 66 KB per rank on 2 ranks), at most 4 for float32 and 7 for
+    float64. Elsewhere each scope costs the threshold's collectives (see
+    :func:`prunopt.distributed.topk_threshold`) and all scopes together one
+    ``all_reduce`` of the norms and the finiteness. The sharded step is not
+    traced by ``torch.compile`` (its collectives and host reads break the
+    graph).
 
     Long runs: the decreasable weights decay geometrically towards 0 (eq. 2.16)
     and in float32 reach the denormals after ~10^3 steps of a consistent sign;
