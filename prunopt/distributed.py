@@ -495,7 +495,7 @@ _RADIX = {
 # The first pass's vector: 2048 counts (padded for narrower first digits, so a
 # dtype that differs between ranks is caught instead of mismatching the sizes;
 # more slots, unused here, beyond 29 ranks), then n, k's limbs and their
-# squares, the dtype code and its square, then two slots per rank, unused here:
+# squares, the dtype code and its square, then two slots per rank, unused:
 # the layout of every select's first collective (see _first_size).
 _META = 9
 # Devices where the candidates of a digit are compacted after each pass (on the
@@ -677,21 +677,12 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     Exact whatever the samples: a poor bracket widens ``[L, H]`` (more radix
     passes, a second pass over the data on some ranks), never the answer."""
     dtype = local[0].dtype
-    spec = _RADIX[dtype]
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
     world = plan.world
     buckets = _rank_buckets(world)
     own = _OwnSlice(keys, k, world, buckets, dtype)
     # 2) the first collective: the slices, n and the agreement
-    area = _area(world)
-    vec = torch.zeros(_first_size(world), dtype=torch.int64)
-    at = _rank_index(plan.groups) * (buckets + _SLICE_HEAD)
-    vec[at:at + _SLICE_HEAD] = torch.tensor(own.head)
-    vec[at + _SLICE_HEAD:at + _SLICE_HEAD + own.hist.numel()] = own.hist
-    vec[area:area + _META] = torch.tensor(_meta(own.n_r, k, spec))
-    _all_reduce(vec, plan.groups)
-    n = _agreed_n(vec[area:area + _META].tolist(), k, world)
-    slices = _slices(vec, world, buckets)
+    n, slices = _first_round(own, k, plan)
     if any(s.bad for s in slices):
         if nonfinite_is_none:
             return None
@@ -709,14 +700,33 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
 
 
 # The first collective of a select, whichever path a rank takes (the radix
-# select, the bracketed select, prunAdag's fused select), has one layout, so
-# that ranks of different dtypes, which take different paths, still meet in one
-# collective of one size and all raise: an area (the radix select's 2048-bucket
-# histogram, or the bracketed select's per-rank slices), _META integers (n, k's
-# limbs and their squares, the dtype code and its square), then two slots per
-# rank (the bracket ends of prunAdag's fused select).
+# select, the bracketed select, prunAdag's fused select, which is a bracketed
+# select too), has one layout, so that ranks of different dtypes, which take
+# different paths, still meet in one collective of one size and all raise: an
+# area (the radix select's 2048-bucket histogram, or the bracketed selects'
+# per-rank slices), _META integers (n, k's limbs and their squares, the dtype
+# code and its square), then two slots per rank, reserved (zero on every
+# path: 16 bytes per rank).
 _SLICE_HEAD = 6  # a slice: n_r, above, first grid point, log2 of the step, buckets, non-finite flag
 _MIN_RANK_BUCKETS = 64
+
+
+def _first_round(own: "_OwnSlice", k: int, plan: _Plan) -> Tuple[int, List["_Slice"]]:
+    """The first collective of a bracketed select (:func:`_bracket_select`,
+    prunAdag's fused select): this rank's slice in its place of the area
+    (every rank writes only its own), ``n_r`` and the agreement fields; returns
+    the global ``n`` and every rank's :class:`_Slice`, after checking that
+    ``k`` and the dtype agree (``ValueError`` on every rank alike)."""
+    world = plan.world
+    buckets, area = _rank_buckets(world), _area(world)
+    vec = torch.zeros(_first_size(world), dtype=torch.int64)
+    at = _rank_index(plan.groups) * (buckets + _SLICE_HEAD)
+    vec[at:at + _SLICE_HEAD] = torch.tensor(own.head)
+    vec[at + _SLICE_HEAD:at + _SLICE_HEAD + own.hist.numel()] = own.hist
+    vec[area:area + _META] = torch.tensor(_meta(own.n_r, k, _RADIX[own.dtype]))
+    _all_reduce(vec, plan.groups)
+    n = _agreed_n(vec[area:area + _META].tolist(), k, world)
+    return n, _slices(vec, world, buckets)
 
 
 def _rank_buckets(world: int) -> int:
@@ -775,39 +785,68 @@ def _max_finite_bits(dtype: torch.dtype) -> int:
 class _OwnSlice:
     """Step 1 of :func:`_bracket_select` on this rank: the grid-aligned bracket
     ``[start, stop)`` (bit patterns; ``2**j`` per bucket, ``buckets`` at
-    most), the fused pass over ``keys`` (the count above the bracket, the
+    most), the fused pass over the values (the count above the bracket, the
     candidates inside it, the non-finite flag) and the candidates' histogram;
-    ``head`` is the slice's fixed fields."""
+    ``head`` is the slice's fixed fields.
 
-    def __init__(self, keys: List[Tensor], k: int, world: int, buckets: int, dtype: torch.dtype):
-        self.dtype, self.n_r = dtype, sum(v.numel() for v in keys)
+    ``values`` are this rank's flat values (``n_r``, their count, is its
+    ``n``). ``bracket(share)`` gives ``(lo, hi)``, values of the dtype, that
+    likely hold the ``share``-th largest (default: from a strided sample of
+    ``|values|``, :func:`_sample_bracket`); ``scan(lo, hi)`` reads the values
+    once and returns ``(above, inside, *more)``, the count of ``> hi`` and
+    the candidates in ``[lo, hi]`` (default: ``topk_bracket`` over
+    ``values``), raising ``ValueError`` on a non-finite value; ``more`` is
+    kept as it is. prunAdag's fused select passes its own (the effective
+    gradients' sample and its ``prunadag_bracket`` pass, which also checks
+    tensors that are not among the values, so a given ``scan`` runs, over
+    ``[0, 0]``, on a rank without values too)."""
+
+    def __init__(self, values: List[Tensor], k: int, world: int, buckets: int, dtype: torch.dtype,
+                 bracket=None, scan=None):
+        self.dtype, self.n_r = dtype, sum(v.numel() for v in values)
         self.above, self.start, self.stop, self.j, self.bad = 0, 0, 0, 0, False
         self.inside = torch.empty(0, dtype=dtype)
         self.hist = torch.zeros(0, dtype=torch.int64)
+        self.more = ()
         if not self.n_r:
-            self.head = [0] * _SLICE_HEAD
+            if scan is not None:
+                self._scan(scan, 0.0, 0.0)
+            self.head = [0] * (_SLICE_HEAD - 1) + [int(self.bad)]
             return
         share = -(-k // world)
         top = _max_finite_bits(dtype)
+        if bracket is None:
+            def bracket(s):
+                return _sample_bracket(values, s, self.n_r)
         # all of this rank's values where its share exceeds them (or k is out
         # of range, which the collective reports on every rank)
-        lo, hi = _sample_bracket(keys, share, self.n_r) if 1 <= share <= self.n_r else (0.0, math.inf)
+        lo, hi = bracket(share) if 1 <= share <= self.n_r else (0.0, math.inf)
         first, end = _value_bits(lo, dtype), min(_value_bits(hi, dtype), top) + 1
         j = max(0, ((end - first - 1) // buckets).bit_length() - 1)
         while -(-end >> j) - (first >> j) > buckets:
             j += 1
         self.j, self.start, self.stop = j, (first >> j) << j, -(-end >> j) << j
-        try:
-            count, self.inside = _topk_bracket(keys, _bits_value(self.start, dtype),
-                                               _bits_value(min(self.stop - 1, top), dtype))
-            self.above = int(count)
-        except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
-            self.bad = True
+        if scan is None:
+            def scan(a, b):
+                return _topk_bracket(values, a, b)
+        self._scan(scan, _bits_value(self.start, dtype), _bits_value(min(self.stop - 1, top), dtype))
         nb = (self.stop - self.start) >> j
         if self.inside.numel():
             off = self.inside.view(_RADIX[dtype].int_dtype).sub(self.start).bitwise_right_shift_(j)
             self.hist = torch.bincount(off, minlength=nb)
         self.head = [self.n_r, self.above, self.start, j, nb, int(self.bad)]
+
+    def _scan(self, scan, lo: float, hi: float) -> None:
+        try:
+            count, self.inside, *more = scan(lo, hi)
+            self.above, self.more = int(count), tuple(more)
+        except ValueError:  # the passes' only ValueError on checked arguments: a non-finite value
+            self.bad = True
+
+    def covers(self, lo_bits: int, hi_bits: int) -> bool:
+        """Whether this rank's bracket holds ``[L, H]`` (bit patterns): then
+        its candidates are all its values in ``[L, H]``."""
+        return self.start <= lo_bits and hi_bits < self.stop
 
     def candidates(self, keys: List[Tensor], lo_bits: int, hi_bits: int) -> Tuple[int, Tensor]:
         """This rank's count of ``|v| > H`` and its ``|v|`` in ``[L, H]`` (bit
@@ -816,7 +855,7 @@ class _OwnSlice:
         if not self.n_r:
             return 0, self.inside
         lo, hi = _bits_value(lo_bits, self.dtype), _bits_value(hi_bits, self.dtype)
-        covered = self.start <= lo_bits and hi_bits < self.stop
+        covered = self.covers(lo_bits, hi_bits)
         count, inside = _topk_bracket([self.inside] if covered else keys, lo, hi)
         return int(count) + (self.above if covered else 0), inside
 
@@ -891,41 +930,6 @@ def _bracket_of_slices(slices: Sequence[_Slice], k: int, n: int, top: int) -> Tu
         else:
             lo = mid + 1
     return first, lo - 1
-
-
-def _share_bracket(k: int, world: int, n_r: int, bracket) -> Tuple[float, float]:
-    """Step 1 of :func:`_bracket_select`: this rank's bracket ``(lo_r, hi_r)``
-    of its ``ceil(k / W)``-th largest (``bracket(share)`` brackets it from a
-    sample); ``(inf, -inf)`` without values (no say), ``(0, 0)`` where the
-    share exceeds them (``k`` out of range is raised later, on every rank)."""
-    share = -(-k // world)
-    if not n_r:
-        return math.inf, -math.inf
-    if share > n_r or share < 1:
-        return 0.0, 0.0
-    return bracket(share)
-
-
-def _meet(plan: _Plan, k: int, n_r: int, dtype: torch.dtype, lo_r: float, hi_r: float) -> Tuple[int, float, float]:
-    """The first collective of prunAdag's fused select: the global ``n`` and
-    the bracket ``[lo, hi] = [min lo_r, max hi_r]`` over every rank (each
-    rank's ends in its two slots), after checking that ``k`` and the dtype
-    agree and that ``1 <= k <= n`` (``ValueError`` on every rank alike). In
-    the layout of every select's first collective (:func:`_first_size`), so
-    that ranks of different dtypes, which take different paths, still meet in
-    one collective of one size and all raise."""
-    spec = _RADIX[dtype]
-    me, ranks = _rank_index(plan.groups), plan.world
-    head = _area(ranks) + _META
-    vec = torch.zeros(_first_size(ranks), dtype=torch.int64)
-    vec[_area(ranks):head] = torch.tensor(_meta(n_r, k, spec))
-    vec[head + 2 * me] = _f2b(lo_r)
-    vec[head + 2 * me + 1] = _f2b(hi_r)
-    tail = _all_reduce(vec, plan.groups)[_area(ranks):].tolist()
-    n, ends = _agreed_n(tail[:_META], k, ranks), [_b2f(b) for b in tail[_META:]]
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, n={n}], got {k}")
-    return n, max(min(ends[0::2]), 0.0), max(ends[1::2])
 
 
 def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: bool, lo: float, hi: float,

@@ -508,31 +508,132 @@ _NONFINITE = object()
 _XMIN = {torch.float32: 2.0 ** -60, torch.float64: 2.0 ** -500}
 
 
+class _FusedShare:
+    """This rank's part of the fused select (:func:`_fused_select`) with its
+    collectives left to the caller (the tests run several ranks in one process
+    with it):
+
+    * round 1 (the constructor): this rank's bracket of its share
+      ``ceil(T / W)`` of the top-``T``, from a fixed sample of its effective
+      gradients ``ge`` (the kernels' formula), widened to a grid of ``2**j``
+      ulps as :class:`prunopt.distributed._OwnSlice` does, and one
+      ``prunadag_bracket`` pass with that grid bracket ``[lo_r, hi_r]``:
+      ``a`` (the count of ``|ge| > hi_r``), ``G`` (their ``ge^2``), ``X``
+      (the sign-matched ``x^2`` of ``|ge| < lo_r``), the candidates
+      ``c = |ge|`` inside with their sign-matched ``x^2`` ``m``, and whether an
+      effective gradient (pruned or not) is not finite. ``own`` is the slice
+      the first collective carries (the candidates' histogram on the grid);
+    * round 2 (:meth:`candidates`): for the bracket ``[L, H]`` every rank
+      derives from all slices, this rank's candidates in it with their
+      weights ``(c^2, m)`` and the sums outside it."""
+
+    def __init__(self, loc: _Scope, counted: List[bool], T: int, world: int):
+        from prunopt import distributed as D
+
+        self.loc, self.dtype = loc, loc.params[0].dtype
+        self.hyper = _local_hyper(loc, counted)
+        rows = self.hyper.tolist()
+        pruned = [i for i, r in enumerate(rows) if r[5] != 0.0 and loc.params[i].numel()]
+        grads = [loc.grads[i].detach().reshape(-1) for i in pruned]
+        n_r = sum(g.numel() for g in grads)
+
+        def bracket(share: int):
+            # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
+            gs = D._sample_parts(grads, n_r)
+            wd = [i for i in pruned if rows[i][2] != 0.0]
+            xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r) if wd else gs
+            parts = [(-g if rows[i][4] else g) + x * rows[i][2] if rows[i][2] != 0.0 else g
+                     for i, g, x in zip(pruned, gs, xs)]
+            return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r)
+
+        self.own = D._OwnSlice(grads, T, world, D._rank_buckets(world), self.dtype, bracket=bracket,
+                               scan=self._scan)
+        self.reread = False
+
+    def _scan(self, lo: float, hi: float):
+        """One ``prunadag_bracket`` pass for ``[lo, hi]``: ``(a, keys, G, X,
+        m)``; ``ValueError`` when an effective gradient is not finite."""
+        from prunopt.ops.prunadag import prunadag_bracket
+
+        with torch.no_grad():
+            summary, keys, m = prunadag_bracket(self.loc.params, self.loc.grads, self.hyper, lo, hi)
+        a, G, X, bad = summary.tolist()
+        if bad:
+            raise ValueError("PrunAdag: an effective gradient is not finite")
+        return int(a), keys, G, X, m
+
+    def candidates(self, lo_bits: int, hi_bits: int):
+        """Round 2 for ``[L, H]`` (bit patterns): ``(cands, above, (c2, m),
+        (G2, X2))``, this rank's ``|ge|`` in ``[L, H]``, its count of
+        ``|ge| > H``, the candidates' ``c^2`` and ``m`` (float64), and
+        ``G2 = sum ge^2`` over ``|ge| > H``, ``X2`` the sign-matched ``x^2``
+        over ``|ge| < L``. From round 1's candidates when its bracket covers
+        ``[L, H]``: ``G2 = G + sum_{c > H} c^2``, ``X2 = X + sum_{c < L} m``,
+        ``above = a + #{c > H}``; else from another pass with ``[L, H]``
+        (``reread`` is then set)."""
+        from prunopt import distributed as D
+
+        own, dtype = self.own, self.dtype
+        if not own.n_r:
+            none = torch.zeros(0, dtype=torch.float64)
+            return own.inside, 0, (none, none), (0.0, 0.0)
+        if own.covers(lo_bits, hi_bits):
+            keys, (G, X, m) = own.inside, own.more
+            spec = D._RADIX[dtype]
+            bits = keys.view(spec.int_dtype).bitwise_and((1 << spec.nbits) - 1)
+            up, down = bits > hi_bits, bits < lo_bits
+            inside = ~(up | down)
+            c2 = keys.double().square()
+            extra = (G + float(c2[up].sum()), X + float(m[down].sum()))
+            return keys[inside], own.above + int(up.sum()), (c2[inside], m[inside]), extra
+        self.reread = True  # (round 1 found every effective gradient here finite: no ValueError)
+        a, keys, G, X, m = self._scan(D._bits_value(lo_bits, dtype), D._bits_value(hi_bits, dtype))
+        return keys, a, (keys.double().square(), m), (G, X)
+
+
 def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
     """The threshold of one scope over every rank and the ratio's norms from
-    the same pass (the sharded form of the one-process fused scan):
+    the same pass (the sharded form of the one-process fused scan), in the two
+    rounds of :func:`prunopt.distributed._bracket_select`:
 
-    1. each rank brackets its share of the top-``T`` from a fixed sample of its
-       effective gradients; the first collective gives every rank the global
-       ``n`` and bracket ``[lo, hi]`` (:func:`prunopt.distributed._meet`);
-    2. ``prunadag_bracket`` reads ``x`` and ``g`` once: counts above ``hi``,
-       the norms' sums outside the bracket, the candidates with their ``x``;
-    3. radix passes over the candidates select ``tau`` and carry, per bucket,
-       the candidates' ``ge^2`` and sign-matched ``x^2``, so the norms
-       ``||g||_R^2 = G + sum_{|c| >= tau} c^2`` and
-       ``||x||_M^2 = X + sum_{|c| < tau, x c > 0} x^2`` come out of the same
-       collectives (2-3 in all for float32; no norms pass, no norms collective).
+    1. each rank brackets its share ``ceil(T / W)`` of the top-``T`` from a
+       fixed sample of its effective gradients ``ge``, widens the bracket to
+       a grid of ``2**j`` ulps aligned at multiples of ``2**j`` and reads
+       ``x`` and ``g`` once (``prunadag_bracket``): the count ``a`` of
+       ``|ge|`` above the bracket, ``G = sum ge^2`` over them, ``X`` the
+       sign-matched ``x^2`` below it, the candidates inside with their
+       sign-matched ``x^2`` (:class:`_FusedShare`);
+    2. the first collective (the layout of every select's first collective,
+       :func:`prunopt.distributed._first_size`) sums ``n``, the agreement on
+       ``T`` and the dtype, and lays every rank's slice side by side (its
+       ``n_r``, ``a``, grid, non-finite flag and the candidates' histogram on
+       its grid), from which every rank computes the same exact bracket
+       ``[L, H]`` of ``tau`` (:func:`prunopt.distributed._bracket_of_slices`);
+    3. each rank takes its candidates in ``[L, H]`` and corrects its sums:
+       ``a2 = a + #{c > H}``, ``G2 = G + sum_{c > H} c^2``,
+       ``X2 = X + sum_{c < L} m_c`` (another ``prunadag_bracket`` pass with
+       ``[L, H]`` only on a rank whose own bracket does not cover it), and
+       radix passes over the candidates select ``tau``, carrying per bucket
+       the candidates' ``c^2`` and ``m`` with their counts, and ``a2``,
+       ``G2``, ``X2`` in the first of them, so that
+       ``||g||_R^2 = G2 + sum_{c >= tau} c^2`` and
+       ``||x||_M^2 = X2 + sum_{c < tau} m_c`` come out of the same
+       collectives: one pass when the ranks' values are alike (FSDP2's shards
+       of the same layers), so 2 collectives in all (at most 4 for float32,
+       7 for float64); no norms pass, no norms collective.
+
+    Exact whatever the samples: a poor bracket widens ``[L, H]`` or costs a
+    second read, never the answer.
 
     Returns ``(tau, (g_r2, x_m2))`` (global; ``(tau, None)`` when the sums are
     small enough that the one-process step would take them again in double),
     ``_NONFINITE`` on every rank when an effective gradient on some rank is
     not finite, or ``None`` where this path does not apply (another dtype or
-    device, no bracket, a bracket that missed: the caller selects as before;
+    device, a scope of mixed dtypes or devices: the caller selects as before;
     every rank decides alike). ``group``: what the sums run over (see
     :mod:`prunopt.distributed`; ``None`` without a process group is one
     process)."""
     from prunopt import distributed as D
-    from prunopt.ops.prunadag import prunadag_bracket
 
     if not loc.params or not extension_available():
         return None
@@ -541,33 +642,17 @@ def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
             or any(p.dtype != dtype or p.device != device for p in loc.params)):
         return None
     plan = D._plan(loc.params, group, "params")
-    hyper = _local_hyper(loc, counted)
-    rows = hyper.tolist()
-    pruned = [i for i, r in enumerate(rows) if r[5] != 0.0 and loc.params[i].numel()]
-    n_r = sum(loc.params[i].numel() for i in pruned)
-
-    def bracket(share: int):
-        # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
-        gs = D._sample_parts([loc.grads[i].detach().reshape(-1) for i in pruned], n_r)
-        wd = [i for i in pruned if rows[i][2] != 0.0]
-        xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r) if wd else gs
-        parts = [(-g if rows[i][4] else g) + x * rows[i][2] if rows[i][2] != 0.0 else g
-                 for i, g, x in zip(pruned, gs, xs)]
-        return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r)
-
-    lo_r, hi_r = D._share_bracket(T, plan.world, n_r, bracket)
-    n, lo, hi = D._meet(plan, T, n_r, dtype, lo_r, hi_r)
-    if math.isinf(hi):
-        return None
-    with torch.no_grad():
-        summary, keys, m = prunadag_bracket(loc.params, loc.grads, hyper, lo, hi)
-        a, G, X, bad = summary.tolist()
-        c2 = keys.double().square()
-    got = D._select_in_bracket(keys, plan.groups, T, int(a), bad != 0.0, lo, hi, True, weights=(c2, m),
-                               extra=(G, X))
-    if got is None:
+    share = _FusedShare(loc, counted, T, plan.world)
+    n, slices = D._first_round(share.own, T, plan)
+    if any(s.bad for s in slices):
         return _NONFINITE
-    if got is D._MISSED:
+    if not 1 <= T <= n:
+        raise ValueError(f"k must be in [1, n={n}], got {T}")
+    lo_bits, hi_bits = D._bracket_of_slices(slices, T, n, D._max_finite_bits(dtype))
+    cands, above, weights, extra = share.candidates(lo_bits, hi_bits)
+    got = D._select_in_bracket(cands, plan.groups, T, above, False, D._bits_value(lo_bits, dtype),
+                               D._bits_value(hi_bits, dtype), True, weights=weights, extra=extra)
+    if got is D._MISSED:  # unreachable: [L, H] holds tau by construction (kept as a safe answer)
         return None
     tau, s_ge, s_lt, (G, X) = got
     g_r2, x_m2 = G + s_ge, X + s_lt
@@ -832,11 +917,15 @@ class PrunAdag(torch.optim.Optimizer):
     selects over each logical tensor, never per shard. The state
     (``sum``, ``decrease_sum``) is sharded like the parameters (DTensors), so
     ``torch.distributed.checkpoint`` saves and loads it like torch's
-    optimizers' state. Per step and scope this costs the threshold's
-    collectives (3 ``all_reduce`` of at most 16 KB for float32, 6 for float64)
-    plus, for all scopes together, one ``all_reduce`` of the finiteness count
-    and one of the norms; the sharded step is not traced by ``torch.compile``
-    (its collectives and host reads break the graph).
+    optimizers' state. Per step and scope, float32/float64 on the CPU, the
+    selection's collectives carry the norms and the finiteness too: 2
+    ``all_reduce`` when the shards' values are alike (the threshold's two
+    rounds; 66 KB per rank on 2 ranks), at most 4 for float32 and 7 for
+    float64. Elsewhere each scope costs the threshold's collectives (see
+    :func:`prunopt.distributed.topk_threshold`) and all scopes together one
+    ``all_reduce`` of the norms and the finiteness. The sharded step is not
+    traced by ``torch.compile`` (its collectives and host reads break the
+    graph).
 
     Long runs: the decreasable weights decay geometrically towards 0 (eq. 2.16)
     and in float32 reach the denormals after ~10^3 steps of a consistent sign;

@@ -165,29 +165,31 @@ def test_sharded_threshold_is_the_global_one_not_the_shards(results):
 
 
 # ------------------------------------------------------------------ fused select
-def _fused_select_run(rank, weight_decay):
-    """A float32 FSDP2 model of ~40k weights, the fused path: every step's
-    threshold and ratio norms come from one bracket pass and the selection's
-    own collectives (no norms pass, no norms all_reduce)."""
+def _fused_select_run(rank, weight_decay, width=300):
+    """A float32 FSDP2 model of ``2 * 64 * width`` weights, the fused path:
+    every step's threshold and ratio norms come from one bracket pass and the
+    selection's own collectives (no norms pass, no norms all_reduce). Records
+    the bytes of every all_reduce of each step and whether a rank read x and g
+    a second time."""
     import torch.distributed as dist
 
     import prunopt.optim.prunadag as P
 
     g = torch.Generator().manual_seed(11)
-    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 64))
+    model = nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, 64))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model = _wrap(model, rank, "fsdp")
     opt = PrunAdag(model.parameters(), lr=0.01, relevant=0.1, fused=True, weight_decay=weight_decay)
     x = torch.randn(32, 64, generator=g)
-    seen = {"calls": [], "norms": 0, "fused": []}
+    seen = {"calls": [], "norms": 0, "fused": [], "rereads": 0}
     if rank is not None:
-        reduce, norms, fused = dist.all_reduce, P._local_norms, P._fused_select
+        reduce, norms, fused, candidates = dist.all_reduce, P._local_norms, P._fused_select, P._FusedShare.candidates
 
-        def counting(*a, **kw):
-            seen["calls"][-1] += 1
-            return reduce(*a, **kw)
+        def counting(tensor, *a, **kw):
+            seen["calls"][-1].append(tensor.numel() * tensor.element_size())
+            return reduce(tensor, *a, **kw)
 
         def counting_norms(*a, **kw):
             seen["norms"] += 1
@@ -197,34 +199,81 @@ def _fused_select_run(rank, weight_decay):
             got = fused(*a, **kw)
             seen["fused"].append(got is not None and got is not P._NONFINITE and got[1] is not None)
             return got
+
+        def recording_rereads(share, *a, **kw):
+            got = candidates(share, *a, **kw)
+            seen["rereads"] += share.reread
+            return got
     for step in range(3):
         opt.zero_grad()
         (model(x + step).square().mean()).backward()
         if rank is None:
             opt.step()
             continue
-        seen["calls"].append(0)
+        seen["calls"].append([])
         dist.all_reduce, P._local_norms, P._fused_select = counting, counting_norms, recording
+        P._FusedShare.candidates = recording_rereads
         try:
             opt.step()
         finally:
             dist.all_reduce, P._local_norms, P._fused_select = reduce, norms, fused
+            P._FusedShare.candidates = candidates
     return _params(model), seen
 
 
 for _wd in (0.0, 0.01):
     _scenario(_name("fused_select", (_wd,)), _fused_select_run, _wd)
+# 2 x 64 x 1024 weights: 65 536 per rank, more than the sample of a shard (32 768)
+_scenario("fused_select_sampled", _fused_select_run, 0.01, 1024)
+
+def _one_thread(fn, *args):
+    """``fn(*args)`` with one torch thread, as on the ranks: float32 matmuls
+    of this size round differently on more threads, and the one-process run
+    must see the ranks' gradients bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# The first collective (int64: a 2048-slot area holding every rank's slice, 9
+# agreement integers, 2 slots per rank), then radix passes in float64 (per
+# bucket the count and both norms' weights; the first also sums the counts
+# above the bracket, the candidates' count, the non-finite flag, G and X)
+_FIRST = (2048 + 9 + 2 * 2) * 8
+_FIRST_RADIX = (3 * 2048 + 3 + 2) * 8
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_fused_select_takes_the_norms_from_the_selection(results, weight_decay):
-    """Each step: the bracket's collective and 1-3 radix passes, no norms pass
-    and no norms all_reduce; the parameters those of one process (float32:
-    the same tau, the ratio to the rounding of its sums)."""
-    want, _ = _fused_select_run(None, weight_decay)
+    """Each step: the first collective (every rank's slice) and 1-3 radix
+    passes, no norms pass and no norms all_reduce; the parameters those of
+    one process (float32: the same tau, the ratio to the rounding of its
+    sums). (The shards here are smaller than a sample, so each rank's bracket
+    is its own share's order statistic exactly, which need not hold tau:
+    [L, H] may span between the ranks' order statistics, at the cost of a
+    second read and more radix passes.)"""
+    want, _ = _one_thread(_fused_select_run, None, weight_decay)
     for params, seen in ok(results[_name("fused_select", (weight_decay,))]):
         assert seen["fused"] == [True] * 3 and seen["norms"] == 0
-        assert all(2 <= c <= 4 for c in seen["calls"]), seen["calls"]
+        for calls in seen["calls"]:
+            assert 2 <= len(calls) <= 4 and calls[0] == _FIRST and calls[1] == _FIRST_RADIX, calls
+            assert all(c <= 3 * 2048 * 8 for c in calls[2:]), calls
+        for p, q in zip(params, want):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_select_on_alike_shards_takes_two_collectives(results):
+    """Shards larger than the sample (alike: halves of the same layers): each
+    rank's bracket of its share holds tau, so no rank reads x and g again and
+    one radix pass finishes: 2 all_reduce calls per step, about 66 KB per
+    rank; the parameters those of one process."""
+    want, _ = _one_thread(_fused_select_run, None, 0.01, 1024)
+    for params, seen in ok(results["fused_select_sampled"]):
+        assert seen["fused"] == [True] * 3 and seen["norms"] == 0 and seen["rereads"] == 0
+        assert seen["calls"] == [[_FIRST, _FIRST_RADIX]] * 3, seen["calls"]
         for p, q in zip(params, want):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 

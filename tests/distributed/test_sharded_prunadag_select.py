@@ -10,12 +10,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import prunopt
 import prunopt.distributed as D
 from prunopt.ops import topk_threshold as one_threshold
-from prunopt.optim.prunadag import _NONFINITE, _fused_select, _Scope
+import prunopt.ops.prunadag as ops_prunadag
+from prunopt.optim.prunadag import _NONFINITE, _fused_select, _FusedShare, _Scope
 from prunopt.reference.prunadag import TensorHyper
 
 pytestmark = [
@@ -73,13 +74,29 @@ def small_sample(monkeypatch):
     monkeypatch.setattr(D, "_SAMPLE_BLOCK", 4)
 
 
-def _check(s, counted, T, dtype, may_fall_back=False):
-    """The fused select against _expected; with ``may_fall_back`` (a sampled
-    bracket, which may miss or be unbounded for extreme T) None is accepted."""
+def _counting_reads(monkeypatch):
+    """A list that gets, for every ``prunadag_bracket`` pass from now on, the
+    number of elements it reads."""
+    reads = []
+    inner = ops_prunadag.prunadag_bracket
+
+    def counting(params, *a, **kw):
+        reads.append(sum(p.numel() for p in params))
+        return inner(params, *a, **kw)
+
+    monkeypatch.setattr(ops_prunadag, "prunadag_bracket", counting)
+    return reads
+
+
+def _check(s, counted, T, dtype):
+    """The fused select against _expected."""
+    _assert_exact(_fused_select(s, counted, T), s, counted, T, dtype)
+
+
+def _assert_exact(got, s, counted, T, dtype):
+    """``got`` (a fused select's answer over the scope ``s``) against
+    _expected: tau bit for bit, the norms to the rounding of their sums."""
     tau, g_r2, x_m2 = _expected(s, counted, T)
-    got = _fused_select(s, counted, T)
-    if got is None and may_fall_back:
-        return
     assert got is not None and got is not _NONFINITE
     got_tau, norms = got
     assert got_tau.dtype == dtype
@@ -104,7 +121,9 @@ def _check(s, counted, T, dtype, may_fall_back=False):
 @example(torch.float64, [1], 1, 0.0, 0.3, True, "normal", False)
 def test_fused_select_is_the_exact_threshold_and_norms(dtype, sizes, seed, frac, wd, maximize, kind, sampled):
     """tau bit-identical to the one-process threshold of the same keys, the
-    norms equal to their float64 sums (float32: the scan's short float blocks)."""
+    norms equal to their float64 sums (float32: the scan's short float blocks),
+    from the whole shard or from a sample smaller than it (a bracket that
+    misses costs a second read, never the answer)."""
     s = _scope(dtype, sizes, seed, wd=wd, maximize=maximize, kind=kind)
     n = sum(sizes)
     T = min(n, 1 + int(frac * (n - 1)))
@@ -112,7 +131,7 @@ def test_fused_select_is_the_exact_threshold_and_norms(dtype, sizes, seed, frac,
     if sampled:
         D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = 64, 64, 4
     try:
-        _check(s, [True] * len(sizes), T, dtype, may_fall_back=sampled)
+        _check(s, [True] * len(sizes), T, dtype)
     finally:
         D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = saved
 
@@ -146,28 +165,33 @@ def test_uncounted_and_unpruned_tensors_take_no_part(small_sample):
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_nonfinite_gradient_is_reported_not_raised(bad, small_sample):
-    """A non-finite gradient outside the sample is seen by the bracket pass and
-    reported through the first radix pass (one in the sample gives an
-    unbounded bracket: the caller's select then reports it)."""
+@pytest.mark.parametrize("in_sample", [False, True])
+def test_nonfinite_gradient_is_reported_not_raised(bad, in_sample, small_sample):
+    """A non-finite gradient is seen by the bracket pass and reported through
+    the first collective's slices, whether the sample holds it (the bracket
+    is then all values) or not."""
     s = _scope(torch.float64, [1400, 50], 1)
     idx = [torch.arange(1400, dtype=torch.float64), torch.arange(1400, 1450, dtype=torch.float64)]
     sampled = set(torch.cat(D._sample_parts(idx, 1450)).long().tolist())
-    assert len(sampled) < 1450
-    i = min(set(range(1450)) - sampled)
+    assert 0 < len(sampled) < 1450
+    i = min(sampled) if in_sample else min(set(range(1450)) - sampled)
     s.grads[0 if i < 1400 else 1].view(-1)[i % 1400] = bad
     assert _fused_select(s, [True, True], 400) is _NONFINITE
 
 
 @pytest.mark.parametrize("bracket", ["missed_above", "missed_below", "unbounded"])
-def test_fallbacks_leave_the_select_to_the_caller(monkeypatch, bracket):
-    """A sample bracket that misses tau (seen in the summed counts) or has no
-    upper end returns None on every rank: the caller selects as before."""
+def test_a_bracket_that_misses_costs_a_second_read_not_the_answer(monkeypatch, bracket):
+    """A sample bracket that misses tau makes [L, H] reach past this rank's
+    own bracket: the rank reads x and g a second time with [L, H] and the
+    select stays exact; a bracket with no upper end covers every value (one
+    read, a wide [L, H])."""
     s = _scope(torch.float32, [2000, 345], 4)
     top = float(torch.cat(s.grads).abs().max())
     ends = {"missed_above": (top, top), "missed_below": (0.0, 0.0), "unbounded": (0.0, math.inf)}[bracket]
     monkeypatch.setattr(D, "_bracket_of_sample", lambda sample, share, n_r: ends)
-    assert _fused_select(s, [True, True], 500) is None
+    reads = _counting_reads(monkeypatch)
+    _check(s, [True, True], 500, torch.float32)
+    assert reads == ([2345] if bracket == "unbounded" else [2345, 2345])
 
 
 def test_small_norms_are_left_to_the_exact_pass(small_sample):
@@ -187,3 +211,156 @@ def test_other_dtypes_and_mixed_scopes_are_not_taken():
     s = _scope(torch.float32, [100], 0)
     s.params[0], s.grads[0] = s.params[0].bfloat16(), s.grads[0].bfloat16()
     assert _fused_select(s, [True], 10) is None
+
+
+# ------------------------------------------------ several ranks in one process
+
+def _merged(scopes):
+    """One scope holding every simulated rank's tensors (what one process
+    would select over)."""
+    m = _Scope()
+    for s in scopes:
+        m.params += s.params
+        m.grads += s.grads
+        m.steps += s.steps
+        m.hypers += s.hypers
+    return m
+
+
+def _simulated_select(scopes, counted, T):
+    """The fused select over several simulated ranks (one scope each) with
+    its collectives done by hand: every rank's round 1, the first collective
+    (each rank's slice in its place of the summed area), the bracket [L, H]
+    every rank derives from all slices, each rank's round 2, and the radix
+    passes over the candidates of all ranks (a sum of per-rank histograms is
+    the histogram of their union). Returns the answer, every rank's share,
+    and the number of radix passes (collectives after the first)."""
+    world = len(scopes)
+    buckets = D._rank_buckets(world)
+    shares = [_FusedShare(s, c, T, world) for s, c in zip(scopes, counted)]
+    area = torch.zeros(D._area(world), dtype=torch.int64)
+    for r, sh in enumerate(shares):
+        at = r * (buckets + D._SLICE_HEAD)
+        area[at:at + D._SLICE_HEAD] = torch.tensor(sh.own.head)
+        area[at + D._SLICE_HEAD:at + D._SLICE_HEAD + sh.own.hist.numel()] = sh.own.hist
+    slices = D._slices(area, world, buckets)
+    if any(sl.bad for sl in slices):
+        return _NONFINITE, shares, 0
+    n = sum(sh.own.n_r for sh in shares)
+    dtype = shares[0].dtype
+    lo, hi = D._bracket_of_slices(slices, T, n, D._max_finite_bits(dtype))
+    parts = [sh.candidates(lo, hi) for sh in shares]
+    cands = torch.cat([p[0] for p in parts])
+    weights = tuple(torch.cat([p[2][i] for p in parts]) for i in range(2))
+    extra = tuple(math.fsum(p[3][i] for p in parts) for i in range(2))
+    passes = []
+    inner = D._all_reduce
+    D._all_reduce = lambda vec, groups: passes.append(vec.numel()) or inner(vec, groups)
+    try:
+        got = D._select_in_bracket(cands, [], T, sum(p[1] for p in parts), False, D._bits_value(lo, dtype),
+                                   D._bits_value(hi, dtype), True, weights=weights, extra=extra)
+    finally:
+        D._all_reduce = inner
+    tau, s_ge, s_lt, (G, X) = got
+    g_r2, x_m2 = G + s_ge, X + s_lt
+    xmin = 2.0 ** -60 if dtype == torch.float32 else 2.0 ** -500
+    small = x_m2 < n * xmin * xmin * (2.0 ** 24 if dtype == torch.float32 else 2.0 ** 53)
+    if (dtype == torch.float32 and g_r2 < n * 2.0 ** -102) or small:
+        return (tau, None), shares, len(passes)
+    return (tau, (g_r2, x_m2)), shares, len(passes)
+
+
+def _rank_scopes(dtype, sizes, scales, seed, **kw):
+    scopes = []
+    for r, (size, scale) in enumerate(zip(sizes, scales)):
+        s = _scope(dtype, size, seed + 1000 * r, **kw)
+        s.params = [x * scale for x in s.params]
+        s.grads = [g * scale for g in s.grads]
+        scopes.append(s)
+    return scopes
+
+
+def test_alike_ranks_read_once_and_meet_twice(monkeypatch):
+    """Two ranks with alike values (FSDP2's shards of the same layers): each
+    reads x and g once, [L, H] is one bucket of their common grid, and one
+    radix pass finishes: 2 collectives in all, tau exact and the norms to the
+    rounding of their sums."""
+    scopes = _rank_scopes(torch.float32, [[150_000, 50_000]] * 2, [1.0, 1.0], 21, wd=0.01)
+    counted = [[True, True]] * 2
+    T = 40_000
+    reads = _counting_reads(monkeypatch)
+    got, shares, passes = _simulated_select(scopes, counted, T)
+    assert reads == [200_000, 200_000] and not any(sh.reread for sh in shares)
+    assert passes == 1  # + the first collective: 2
+    assert len({sh.own.j for sh in shares}) == 1 and shares[0].own.j <= D._HIST0_BITS
+    _assert_exact(got, _merged(scopes), counted[0] * 2, T, torch.float32)
+
+
+@pytest.mark.parametrize("scale,rereads", [(1.0, 0), (1.05, 3), (0.01, 3), (100.0, 3)])
+def test_ranks_whose_bracket_misses_read_again_still_exact(monkeypatch, scale, rereads):
+    """Two alike ranks and a third whose x and g are scaled by ``scale``:
+    alike, every rank's bracket of its equal share holds tau (one read each);
+    5% larger, or 100x smaller or larger, the third moves tau out of every
+    rank's own bracket, so every rank reads x and g a second time with
+    [L, H]: slower, still exact."""
+    scopes = _rank_scopes(torch.float32, [[30_000, 20_000]] * 3, [1.0, 1.0, scale], 22, wd=0.01)
+    counted = [[True, True]] * 3
+    T = 20_000
+    reads = _counting_reads(monkeypatch)
+    got, shares, passes = _simulated_select(scopes, counted, T)
+    assert sum(sh.reread for sh in shares) == rereads and reads == [50_000] * (3 + rereads)
+    _assert_exact(got, _merged(scopes), counted[0] * 3, T, torch.float32)
+
+
+@st.composite
+def ranks_case(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    world = draw(st.integers(1, 4))
+    sizes = [draw(st.lists(st.sampled_from([0, 1, 3, 100, 700, 2000]), min_size=1, max_size=3))
+             for _ in range(world)]
+    scales = draw(st.lists(st.sampled_from([1.0, 1.0, 1.0, 0.5, 4.0, 1e-3]), min_size=world, max_size=world))
+    kind = draw(st.sampled_from(["normal", "ties", "tiny"]))
+    wd = draw(st.sampled_from([0.0, 0.3]))
+    maximize = draw(st.booleans())
+    # which tensor (by position in every rank's list) is not pruned, which is counted on another rank
+    unpruned = draw(st.sampled_from([(), (0,), (1,)]))
+    uncounted = draw(st.sampled_from([None, 0, 1]))
+    seed = draw(st.integers(0, 2**20))
+    frac = draw(st.floats(0.0, 1.0))
+    return dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac
+
+
+# (the fixture only sets the sample's size: the same for every input)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ranks_case())
+@example((torch.float32, [[2000, 700], [2000, 700]], [1.0, 1.0], "normal", 0.3, False, (), None, 0, 0.1))
+@example((torch.float32, [[2000], [0], [3, 100]], [1.0, 1.0, 4.0], "ties", 0.0, True, (), 0, 1, 1.0))
+@example((torch.float64, [[700, 1], [2000, 3]], [1e-3, 1.0], "normal", 0.3, False, (1,), 1, 2, 0.0))
+@example((torch.float32, [[2000], [2000]], [1.0, 1.0], "tiny", 0.0, False, (), None, 3, 0.5))
+def test_simulated_ranks_select_exactly(small_sample, case):
+    """Ranks of uneven, empty or unlike shards (a sample smaller than the
+    shards), ties, tiny values, weight decay, tensors not pruned or counted on
+    another rank: tau bit-identical to one process over the union, the norms
+    to the rounding of their float64 sums."""
+    dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac = case
+    scopes = _rank_scopes(dtype, sizes, scales, seed, wd=wd, maximize=maximize, unpruned=unpruned, kind=kind)
+    # a tensor counted on another rank (a replica) is counted on the first rank only
+    counted = [[not (i == uncounted and r > 0) for i in range(len(s.params))] for r, s in enumerate(scopes)]
+    merged = _merged(scopes)
+    flat = [c for cs in counted for c in cs]
+    n = sum(x.numel() for x, h, c in zip(merged.params, merged.hypers, flat) if h.prune and c)
+    if n == 0:
+        return
+    T = min(n, 1 + int(frac * (n - 1)))
+    got, _, _ = _simulated_select(scopes, counted, T)
+    _assert_exact(got, merged, flat, T, dtype)
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_seen_by_every_rank(small_sample):
+    """A non-finite gradient of a tensor that is not pruned, on one rank of
+    three: its slice carries the flag, so every rank returns _NONFINITE after
+    the first collective."""
+    scopes = _rank_scopes(torch.float32, [[1500, 40]] * 3, [1.0] * 3, 5, unpruned=(1,))
+    scopes[2].grads[1][7] = math.nan
+    got, shares, _ = _simulated_select(scopes, [[True, True]] * 3, 300)
+    assert got is _NONFINITE and [sh.own.bad for sh in shares] == [False, False, True]
