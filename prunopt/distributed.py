@@ -495,8 +495,8 @@ _RADIX = {
 # The first pass's vector: 2048 counts (padded for narrower first digits, so a
 # dtype that differs between ranks is caught instead of mismatching the sizes;
 # more slots, unused here, beyond 29 ranks), then n, k's limbs and their
-# squares, the dtype code and its square, then two slots per rank, unused:
-# the layout of every select's first collective (see _first_size).
+# squares, the dtype code and its square: the layout of every select's first
+# collective (see _first_size).
 _META = 9
 # Devices where the candidates of a digit are compacted after each pass (on the
 # host the size of a compacted tensor is free to read); elsewhere every pass
@@ -577,8 +577,8 @@ def topk_threshold(values: TensorOrList, k: int, group: Group = None) -> Tensor:
     order like unsigned integers): each pass histograms the next digit (at most
     11 bits) of the candidates whose higher digits match the prefix chosen so
     far, sums the histogram over the ranks (one ``all_reduce`` of at most 2057
-    int64 plus 2 per rank up to 29 ranks, 16 KB and 16 bytes per rank; 72
-    bytes per rank beyond), and picks the bucket
+    int64 up to 29 ranks, 16 KB; beyond, 70 more per rank, 560 bytes: the
+    first collective's layout), and picks the bucket
     that holds the ``k``-th largest. The passes are fixed by the dtype: 3 for
     float32, 6 for float64, 2 for float16 and bfloat16 (times the number of
     sharded mesh dimensions). The first pass also sums the global ``n``, the
@@ -704,9 +704,8 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
 # select too), has one layout, so that ranks of different dtypes, which take
 # different paths, still meet in one collective of one size and all raise: an
 # area (the radix select's 2048-bucket histogram, or the bracketed selects'
-# per-rank slices), _META integers (n, k's limbs and their squares, the dtype
-# code and its square), then two slots per rank, reserved (zero on every
-# path: 16 bytes per rank).
+# per-rank slices), then _META integers (n, k's limbs and their squares, the
+# dtype code and its square).
 _SLICE_HEAD = 6  # a slice: n_r, above, first grid point, log2 of the step, buckets, non-finite flag
 _MIN_RANK_BUCKETS = 64
 
@@ -742,7 +741,7 @@ def _area(world: int) -> int:
 
 def _first_size(world: int) -> int:
     """The int64 entries of a select's first collective over ``world`` ranks."""
-    return _area(world) + _META + 2 * world
+    return _area(world) + _META
 
 
 def _meta(n_r: int, k: int, spec: _Radix) -> List[int]:

@@ -239,10 +239,10 @@ def _one_thread(fn, *args):
 
 
 # The first collective (int64: a 2048-slot area holding every rank's slice, 9
-# agreement integers, 2 slots per rank), then radix passes in float64 (per
+# agreement integers), then radix passes in float64 (per
 # bucket the count and both norms' weights; the first also sums the counts
 # above the bracket, the candidates' count, the non-finite flag, G and X)
-_FIRST = (2048 + 9 + 2 * 2) * 8
+_FIRST = (2048 + 9) * 8
 _FIRST_RADIX = (3 * 2048 + 3 + 2) * 8
 
 

@@ -360,7 +360,7 @@ def test_rank_buckets_fit_the_first_collective():
         b = D._rank_buckets(world)
         assert b >= 64 and world * (b + D._SLICE_HEAD) <= D._area(world)
         assert D._area(world) == 2048 or b == 64  # 2048 slots until the 64-bucket floor
-    assert D._first_size(2) == 2048 + 9 + 4
+    assert D._first_size(2) == 2048 + 9
 
 
 def test_bracket_select_non_finite():
