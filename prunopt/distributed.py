@@ -1850,19 +1850,27 @@ def project_budget(theta: TensorOrList, budget, cost: Optional[TensorOrList] = N
     rounding (1e-12 in float64, 1e-5 in float32 against the float64 sort
     solution, for scores of order one).
 
-    The search keeps a bracket on :math:`\lambda` whose ends are verified by
-    sums taken directly over the elements (:math:`\phi(lo) > 0 \ge \phi(hi)`),
-    narrowed by histograms of the breakpoints :math:`\theta_i / c_i` and
-    :math:`(\theta_i - 1)/c_i` on at most 2048 sub-buckets cut at bit-pattern
-    boundaries of :math:`\lambda` (the first pass buckets by binade); once a
-    bracket holds no breakpoint, :math:`\phi` is linear on it and
-    :math:`\lambda^* = (\sum_U c + \sum_F c\theta - S) / \sum_F c^2` is one
-    division. Each pass is one ``all_reduce`` of at most ``5 * 2050 + 21``
-    float64 (82 KB); a slack budget (:math:`\phi(0) \le 0`, clamp only) or
-    ``S = 0`` takes one pass, other budgets typically 4-6 on scores of order
-    one. Each pass's summary is read on the host (one synchronisation per pass
-    on CUDA). Elements whose breakpoints leave the bracket are folded into
-    running sums and dropped from later passes.
+    On the CPU every rank writes a sample of its
+    scores (8192 over all ranks) into one ``all_reduce``, every rank brackets
+    :math:`\lambda^*` alike from all of them, and one fused pass
+    (:func:`prunopt.ops.project_budget_bracket`) per rank sums the elements
+    whose form is fixed on the bracket and keeps the others; the next
+    ``all_reduce`` verifies the bracket by :math:`\phi` at its ends (summed
+    directly, :math:`\phi(lo) > 0 \ge \phi(hi)`) and carries the kept
+    elements when they are few (4096 over all ranks: every rank then solves
+    them exactly, the linear piece's root
+    :math:`\lambda^* = (\sum_U c + \sum_F c\theta - S) / \sum_F c^2`), else
+    histograms of their breakpoints that point to the next, narrower bracket.
+    Three ``all_reduce`` on shards alike (131 KB, then at most 146 KB each on
+    2 ranks), two for a slack budget (:math:`\phi(0) \le 0`, clamp only) or
+    ``S = 0``; :func:`prunopt.ops.project_budget_apply_` writes the result.
+    Elsewhere, and when the direct sums refute a bracket, a histogram search
+    keeps a verified bracket and narrows it by histograms of the breakpoints
+    :math:`\theta_i / c_i` and :math:`(\theta_i - 1)/c_i` on at most 2048
+    sub-buckets cut at bit-pattern boundaries of :math:`\lambda` (each pass
+    one ``all_reduce`` of at most ``5 * 2050 + 21`` float64, 82 KB; typically
+    4-6 passes, each read on the host). The result never depends on the
+    sample, only the time.
 
     Args:
         theta: a tensor or a list of tensors (this rank's scores, or DTensors);

@@ -1248,6 +1248,11 @@ void project_budget_apply_cpu(
   if (total == 0) {
     return;
   }
+  for (size_t i = 0; i < outputs.size(); ++i) {  // a fresh output: one page fault per 2 MB (see above)
+    if (outputs[i].data_ptr() != inputs[i].data_ptr()) {
+      advise_huge_pages(outputs[i].data_ptr(), outputs[i].nbytes());
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, theta[0].scalar_type(), "project_budget_apply_", [&] {
     if (has_cost) {
       apply<scalar_t, true>(segs, total, lam);

@@ -376,10 +376,16 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             # the baselines move all N values (the gathered tensor, the dense scores) whatever the ranks
             payload = r0["bytes"] * WORLD if kind == "all_gather" else r0["bytes"]
             for w in MODEL_RANKS:
-                # the sharded threshold's first call grows with the ranks (two 8-byte slots per rank, and
-                # beyond 29 ranks a 70-slot histogram slice per rank: prunopt.distributed._first_size)
-                grown = payload + (8 * (D._first_size(w) - D._first_size(WORLD))
-                                   if (op, name) == ("threshold", "sharded") else 0)
+                grown = payload
+                if (op, name) == ("threshold", "sharded"):
+                    # the first call grows with the ranks beyond 29 (a 70-slot histogram slice per rank:
+                    # prunopt.distributed._first_size)
+                    grown += 8 * (D._first_size(w) - D._first_size(WORLD))
+                elif (op, name) == ("projection", "sharded") and D._PROJ_DEVICES:
+                    # the sample call and each pass grow by 16 and 8 bytes per rank (two float64 counts, one):
+                    # prunopt.distributed._proj_sizes
+                    (f_w, p_w), (f_2, p_2) = D._proj_sizes(w), D._proj_sizes(WORLD)
+                    grown += 8 * ((f_w - f_2) + (r0["calls"] - 1) * (p_w - p_2))
                 rows.append({"n": n, "op": op, "contender": f"model: {name}", "ranks": w, "time_ms": "",
                              "vs_one_process": "", "collectives_per_call": r0["calls"],
                              "payload_bytes_per_rank": _ring_bytes(kind, grown, w)})
@@ -392,8 +398,8 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
-             "payload does not depend on N (the threshold's first call carries 16 bytes per rank, 2 slots, and "
-             "beyond 29 ranks a 70-entry slice per rank, 560 bytes). "
+             "payload does not depend on N (the threshold's first call carries, beyond 29 ranks, a 70-entry "
+             "slice per rank, 560 bytes; the projection's calls 16 and 8 bytes per rank). "
              "Targets: sharded bytes per rank per call independent of N (<= 1 MB); the 2-rank sharded threshold "
              "<= 1.5x the one-process time on the same N. "
              "vs_one_process_1_thread: against the one-process op on one thread (a loaded host inflates the "
