@@ -1152,10 +1152,7 @@ void project_into(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> project_budget_bracket_cpu(
     at::TensorList theta, c10::optional<at::TensorList> cost, double lo, double hi) {
   const char* op = "project_budget_bracket";
-  TORCH_CHECK_VALUE(!theta.empty(), op, ": theta must not be empty (a list of tensors)");
-  check_projection_args(theta, cost, 0.0, op);
-  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
-  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  check_projection_bracket_args(theta, cost, lo, hi, op);
   const bool has_cost = cost.has_value();
   const auto inputs = contiguous_all(theta);
   const auto costs = has_cost ? contiguous_all(*cost) : std::vector<at::Tensor>{};
@@ -1227,7 +1224,6 @@ void project_budget_apply_cpu(
     at::TensorList out, at::TensorList theta, c10::optional<at::TensorList> cost, double lam) {
   const char* op = "project_budget_apply_";
   check_projection_apply_args(out, theta, cost, lam, op);
-  check_no_overlap(out, op, "out");
   if (theta.empty()) {
     return;
   }

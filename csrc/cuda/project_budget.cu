@@ -342,7 +342,6 @@ void project_budget_apply_cuda(
     at::TensorList out, at::TensorList theta, c10::optional<at::TensorList> cost, double lam) {
   const char* op = "project_budget_apply_";
   check_projection_apply_args(out, theta, cost, lam, op);
-  check_no_overlap(out, op, "out");
   if (theta.empty()) {
     return;
   }
@@ -372,10 +371,7 @@ void project_budget_apply_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> project_budget_bracket_cuda(
     at::TensorList theta, c10::optional<at::TensorList> cost, double lo, double hi) {
   const char* op = "project_budget_bracket";
-  TORCH_CHECK_VALUE(!theta.empty(), op, ": theta must not be empty (a list of tensors)");
-  check_projection_args(theta, cost, 0.0, op);
-  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
-  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+  check_projection_bracket_args(theta, cost, lo, hi, op);
   c10::cuda::CUDAGuard guard(theta[0].device());
   const auto opts = theta[0].options();
   at::Tensor summary = at::zeros({5}, opts.dtype(at::kDouble));

@@ -137,14 +137,10 @@ def project_budget_bracket(theta: TensorOrList, lo: float, hi: float, cost: Opti
             and device, mismatched shapes, ``lo``/``hi`` not numbers with
             ``0 <= lo <= hi``.
     """
-    thetas = [theta] if isinstance(theta, Tensor) else list(theta) if isinstance(theta, (list, tuple)) else None
-    if thetas is None or not thetas or not all(isinstance(t, Tensor) for t in thetas):
-        raise TypeError(f"theta must be a tensor or a non-empty list of tensors, got {type(theta).__name__}")
-    costs = None
-    if cost is not None:
-        costs = [cost] if isinstance(cost, Tensor) else list(cost) if isinstance(cost, (list, tuple)) else None
-        if costs is None or not all(isinstance(c, Tensor) for c in costs):
-            raise TypeError(f"cost must be None, a tensor or a list of tensors, got {type(cost).__name__}")
+    thetas = _tensors(theta, "theta")
+    if not thetas:
+        raise TypeError("theta must be a tensor or a non-empty list of tensors, got an empty list")
+    costs = _tensors(cost, "cost") if cost is not None else None
     lo, hi = _bracket_ends(lo, hi)
     if thetas[0].device.type in _BRACKET_DEVICES:
         return tuple(torch.ops.prunopt.project_budget_bracket(thetas, costs, lo, hi))
@@ -172,17 +168,8 @@ def project_budget_apply_(out: TensorOrList, theta: TensorOrList, lam: float, co
     Returns:
         ``out``.
     """
-    outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(out, (list, tuple)) else None
-    thetas = [theta] if isinstance(theta, Tensor) else list(theta) if isinstance(theta, (list, tuple)) else None
-    if outs is None or not all(isinstance(t, Tensor) for t in outs):
-        raise TypeError(f"out must be a tensor or a list of tensors, got {type(out).__name__}")
-    if thetas is None or not all(isinstance(t, Tensor) for t in thetas):
-        raise TypeError(f"theta must be a tensor or a list of tensors, got {type(theta).__name__}")
-    costs = None
-    if cost is not None:
-        costs = [cost] if isinstance(cost, Tensor) else list(cost) if isinstance(cost, (list, tuple)) else None
-        if costs is None or not all(isinstance(c, Tensor) for c in costs):
-            raise TypeError(f"cost must be None, a tensor or a list of tensors, got {type(cost).__name__}")
+    outs, thetas = _tensors(out, "out"), _tensors(theta, "theta")
+    costs = _tensors(cost, "cost") if cost is not None else None
     lam = _lam_arg(lam)
     if not thetas:
         _fc.check_projection_apply(outs, thetas, costs, lam)
@@ -204,6 +191,14 @@ def _lam_arg(lam, op: str = "project_budget_apply_") -> float:
     if not lam >= 0.0:
         raise ValueError(f"{op}: lam must be >= 0 (inf allowed), got {lam}")
     return lam
+
+
+def _tensors(x, name: str) -> List[Tensor]:
+    """A tensor or a list (tuple) of tensors as a list: TypeError naming ``name`` otherwise."""
+    xs = [x] if isinstance(x, Tensor) else list(x) if isinstance(x, (list, tuple)) else None
+    if xs is None or not all(isinstance(t, Tensor) for t in xs):
+        raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
+    return xs
 
 
 def _real(v, name: str, op: str) -> float:

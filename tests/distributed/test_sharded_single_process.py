@@ -21,6 +21,8 @@ from prunopt.ops import project_budget as one_projection
 from prunopt.ops import topk_threshold as one_threshold
 from prunopt.reference.projection import project_budget_sort
 
+from tests.distributed._projection_data import COSTS, PATTERNS, projection_data
+
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
         torch.bfloat16: torch.int16}
 
@@ -427,9 +429,9 @@ def projection_case(draw):
     n = draw(st.sampled_from([1, 7, 4097, 30_000]))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     seed = draw(st.integers(0, 2**31 - 1))
-    pattern = draw(st.sampled_from(["uniform", "ties", "two_point", "blocks", "tiny_free", "wide"]))
+    pattern = draw(st.sampled_from(PATTERNS))
     density = draw(st.sampled_from([0.0, 1e-4, 0.01, 0.1, 0.3, 0.5, 0.9, 0.99, 1.5]))
-    cost = draw(st.sampled_from([None, "near_one", "orders"]))
+    cost = draw(st.sampled_from(COSTS))
     return n, dtype, seed, pattern, density, cost
 
 
@@ -440,24 +442,7 @@ def projection_case(draw):
 @example((4097, torch.float32, 2, "tiny_free", 0.3, "near_one"))
 def test_bracketing_projection_exact(case):
     n, dtype, seed, pattern, density, cost = case
-    g = torch.Generator().manual_seed(seed)
-    t = torch.rand(n, generator=g, dtype=torch.float64) * 1.2
-    if pattern == "ties":  # a few distinct values, many equal breakpoints
-        t = (t * 3).round() / 3
-    elif pattern == "two_point":
-        t = torch.where(t > 0.6, 1.0, 0.25).to(torch.float64)
-    elif pattern == "blocks":
-        t = t.sort().values
-    elif pattern == "tiny_free":  # lam* where almost no element is free
-        t = torch.where(t > 0.6, 5.0, -5.0).to(torch.float64)
-        t[n // 2] = 0.123
-    elif pattern == "wide":
-        t = (t - 0.6) * 20
-    c = None
-    if cost == "near_one":
-        c = torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.05
-    elif cost == "orders":  # costs over eight orders of magnitude
-        c = 10 ** ((torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 8)
+    t, c = projection_data(n, torch.float64, seed, pattern, cost)
     total = n if c is None else float(c.sum())
     scale = max(1.0, float(t.abs().max()))
     _assert_exact([t.to(dtype)], density * total, None if c is None else [c.to(dtype)], scale=scale)

@@ -109,21 +109,9 @@ def _int_like(t):
 # ------------------------------------------------------------------ projection
 
 def _projection(d, inplace: bool) -> Case:
-    dtype = d.draw(st.sampled_from([F32, F64, F16, BF16]), label="dtype")
-    k = d.draw(st.integers(1, 3), label="tensors")
-    shapes = [tuple(d.draw(st.lists(st.integers(0, 6), max_size=3), label="shape")) for _ in range(k)]
-    seed = d.draw(SEEDS, label="seed")
-    special = d.draw(st.sampled_from(["none", "zeros", "tiny"]), label="special")
-    scale = d.draw(st.sampled_from([0.5, 1.0, 4.0, 1e3]), label="scale")
-    theta = [tensor(s, dtype, seed + i, scale, special) for i, s in enumerate(shapes)]
-    cost = None
-    if d.draw(st.booleans(), label="cost"):
-        cscale = d.draw(st.sampled_from([1.0, 10.0, 1e3]), label="cost scale")
-        cost = [tensor(s, dtype, seed + 50 + i, cscale, low=0.05) for i, s in enumerate(shapes)]
-    total = sum(float(t.double().sum()) if cost is None else 0.0 for t in theta)
+    dtype, theta, cost = _projection_lists(d)
     n = sum(t.numel() for t in theta) if cost is None else sum(float(c.double().sum()) for c in cost)
     budget = d.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.5]), label="budget fraction") * n
-    del total
     op = torch.ops.prunopt.project_budget_ if inplace else torch.ops.prunopt.project_budget
     args = [theta, cost, budget]
 
@@ -143,17 +131,7 @@ def _projection(d, inplace: bool) -> Case:
         Fault("negative budget", lambda x: _with(x, 2, -1.0), ["budget"]),
         Fault("inf budget", lambda x: _with(x, 2, math.inf), ["budget"]),
         Fault("str budget", lambda x: _with(x, 2, "1"), ["budget"]),
-        Fault("None theta", lambda x: _with(x, (0, 0), None), ["theta"]),
-        Fault("int theta", lambda x: _with(x, (0, 0), _int_like(a)), ["theta"]),
-        Fault("other dtype", lambda x: _with(x, 0, x[0] + [torch.zeros(2, dtype=F64 if dtype != F64 else F32)]),
-              ["theta"]),
-        Fault("meta theta", lambda x: _with(x, 0, x[0] + [torch.zeros(2, dtype=dtype, device="meta")]), ["theta"]),
-        Fault("cost count", lambda x: _with(x, 1, [torch.ones_like(t) for t in x[0]] + [torch.ones(1, dtype=dtype)]),
-              ["cost"]),
-        Fault("cost shape", lambda x: _with(x, 1, [torch.ones(t.numel() + 1, dtype=dtype) for t in x[0]]), ["cost"]),
-        Fault("cost dtype", lambda x: _with(x, 1, [torch.ones(t.shape, dtype=F64 if dtype != F64 else F32)
-                                                     for t in x[0]]), ["cost"]),
-    ]
+    ] + _list_faults(dtype, a, 0, 1)
     if a.numel():
         faults += [
             Fault("nan theta", lambda x: _with(x, (0, 0), _spoil(x[0][0], math.nan)), ["theta"], data=True),

@@ -149,8 +149,27 @@ inline void check_disjoint_writes(const std::vector<Written>& ts, const char* op
 
 // The in-place projection treats every element as a separate score (see
 // check_disjoint_writes).
+// project_budget_bracket's arguments: a non-empty theta list, theta / cost
+// as for the projection, 0 <= lo <= hi (lo finite, hi may be inf).
+inline void check_projection_bracket_args(at::TensorList theta, const c10::optional<at::TensorList>& cost,
+    double lo, double hi, const char* op) {
+  TORCH_CHECK_VALUE(!theta.empty(), op, ": theta must not be empty (a list of tensors)");
+  check_projection_args(theta, cost, 0.0, op);
+  TORCH_CHECK_VALUE(std::isfinite(lo) && lo >= 0.0, op, ": lo must be finite and >= 0, got ", lo);
+  TORCH_CHECK_VALUE(!std::isnan(hi) && hi >= lo, op, ": hi must be >= lo (inf allowed), got lo=", lo, ", hi=", hi);
+}
+
+// (`name`: the argument the tensors came in, for the message)
+inline void check_no_overlap(at::TensorList theta, const char* op, const char* name = "theta") {
+  std::vector<Written> ts;
+  ts.reserve(theta.size());
+  for (size_t i = 0; i < theta.size(); ++i) ts.push_back({name, static_cast<int64_t>(i), theta[i]});
+  check_disjoint_writes(ts, op);
+}
+
 // project_budget_apply_'s arguments: out and theta of one length, each
-// out[i] of the shape, dtype and device of theta[i]; lam >= 0 (inf allowed).
+// out[i] of the shape, dtype and device of theta[i], the out tensors sharing
+// no memory; lam >= 0 (inf allowed).
 inline void check_projection_apply_args(at::TensorList out, at::TensorList theta,
     const c10::optional<at::TensorList>& cost, double lam, const char* op) {
   check_projection_args(theta, cost, 0.0, op);
@@ -163,14 +182,7 @@ inline void check_projection_apply_args(at::TensorList out, at::TensorList theta
         i, "] (", theta[i].sizes(), ", ", theta[i].scalar_type(), ", ", theta[i].device(), "), got ",
         out[i].sizes(), ", ", out[i].scalar_type(), ", ", out[i].device());
   }
-}
-
-// (`name`: the argument the tensors came in, for the message)
-inline void check_no_overlap(at::TensorList theta, const char* op, const char* name = "theta") {
-  std::vector<Written> ts;
-  ts.reserve(theta.size());
-  for (size_t i = 0; i < theta.size(); ++i) ts.push_back({name, static_cast<int64_t>(i), theta[i]});
-  check_disjoint_writes(ts, op);
+  check_no_overlap(out, op, "out");
 }
 
 // prunadag_step_ writes params, opt_sums, dec_sums (and found_nonfinite):
