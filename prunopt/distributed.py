@@ -1861,7 +1861,7 @@ def project_budget(theta: TensorOrList, budget, cost: Optional[TensorOrList] = N
     them exactly, the linear piece's root
     :math:`\lambda^* = (\sum_U c + \sum_F c\theta - S) / \sum_F c^2`), else
     histograms of their breakpoints that point to the next, narrower bracket.
-    Three ``all_reduce`` on shards alike (131 KB, then at most 146 KB each on
+    Three ``all_reduce`` on shards alike (131 KB, then at most 148 KB each on
     2 ranks), two for a slack budget (:math:`\phi(0) \le 0`, clamp only) or
     ``S = 0``; :func:`prunopt.ops.project_budget_apply_` writes the result.
     Elsewhere, and when the direct sums refute a bracket, a histogram search
