@@ -1369,11 +1369,16 @@ def _breakpoints(t: Tensor, c: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     return t / c, (t - 1.0) / c
 
 
+def _clamped_terms(t: Tensor, c: Optional[Tensor], lam: float) -> Tensor:
+    """``c clamp(t - lam c, 0, 1)`` per element (each element's term of phi)."""
+    if c is None:
+        return (t - lam).clamp_(0.0, 1.0)
+    return (t - lam * c).clamp_(0.0, 1.0).mul_(c)
+
+
 def _clamped_sum(t: Tensor, c: Optional[Tensor], lam: float) -> Tensor:
     """``sum c clamp(t - lam c, 0, 1)``, every term >= 0 (no cancellation)."""
-    if c is None:
-        return (t - lam).clamp_(0.0, 1.0).sum()
-    return (t - lam * c).clamp_(0.0, 1.0).mul_(c).sum()
+    return _clamped_terms(t, c, lam).sum()
 
 
 def _masked_sum(w: Optional[Tensor], mask: Tensor) -> Tensor:
@@ -1603,7 +1608,7 @@ def _proj_sample(ts: List[Tensor], cs: Optional[List[Tensor]], m: int) -> Tuple[
 def _phi_at(t: Tensor, c: Tensor, w: Optional[Tensor], base: Sequence[float], budget: float, lam: float) -> float:
     """``base(lam) + sum w c clamp(t - lam c, 0, 1) - S`` (``base`` the U, F
     sums ``(u, f_ct, f_cc)`` of elements of fixed class, ``w = 1`` if None)."""
-    y = (t - lam * c).clamp_(0.0, 1.0).mul_(c)
+    y = _clamped_terms(t, c, lam)
     if w is not None:
         y.mul_(w)
     return base[0] + base[1] - lam * base[2] + float(y.sum()) - budget
@@ -1616,7 +1621,7 @@ def _set_root(t: Tensor, c: Tensor, w: Optional[Tensor], base: Sequence[float], 
     hi)`` with phi summed directly at each, then the linear piece between two
     neighbours, whose root is one division (the one-process solvers' exact
     root, for a small set)."""
-    k1, k2 = t / c, (t - 1.0) / c
+    k1, k2 = _breakpoints(t, c)
     pts = torch.cat([k1, k2])
     pts = torch.unique(pts[(pts > lo) & (pts < hi)]).tolist()
     pts = [lo] + pts + [hi]
@@ -1661,13 +1666,15 @@ def _sample_bracket_of(slots: List[Tuple[int, Tensor, Tensor]], budget: float) -
     else:
         top = float((t / c).max())  # phi(max t/c) = -S < 0
         lam = _set_root(t, c, w, zero, budget, 0.0, top)
-    y = (t - lam * c).clamp_(0.0, 1.0).mul_(c)
-    for r, (n_r, tr, _) in enumerate(slots):
-        m = tr.numel()
-        if m and m < n_r:
-            yr = y[rank == r]
-            var += n_r * n_r * float(yr.var(correction=0)) / m * (1.0 - m / n_r)
-    k1, k2 = t / c, (t - 1.0) / c
+    # each rank's sample variance of the terms, from per-rank sums (one pass)
+    y = _clamped_terms(t, c, lam)
+    m = torch.bincount(rank, minlength=len(slots)).double()
+    mean = torch.bincount(rank, weights=y, minlength=len(slots)) / m.clamp(min=1.0)
+    var_r = (torch.bincount(rank, weights=y * y, minlength=len(slots)) / m.clamp(min=1.0) - mean * mean).clamp(min=0.0)
+    for (n_r, _, _), m_r, v in zip(slots, m.tolist(), var_r.tolist()):
+        if 0 < m_r < n_r:
+            var += n_r * n_r * v / m_r * (1.0 - m_r / n_r)
+    k1, k2 = _breakpoints(t, c)
     slope = float((w * c * c)[(k2 < lam) & (k1 > lam)].sum())
     scale = max(1.0, abs(lam))
     delta = _PROJ_Z * math.sqrt(var) / slope if slope > 0 else 1e-3 * scale
