@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -577,21 +578,24 @@ def topk_threshold(values: TensorOrList, k: int, group: Group = None) -> Tensor:
     order like unsigned integers): each pass histograms the next digit (at most
     11 bits) of the candidates whose higher digits match the prefix chosen so
     far, sums the histogram over the ranks (one ``all_reduce`` of at most 2057
-    int64 up to 29 ranks, 16 KB; beyond, 70 more per rank, 560 bytes: the
-    first collective's layout), and picks the bucket
-    that holds the ``k``-th largest. The passes are fixed by the dtype: 3 for
-    float32, 6 for float64, 2 for float16 and bfloat16 (times the number of
-    sharded mesh dimensions). The first pass also sums the global ``n``, the
-    count of non-finite values and ``k``, so every rank validates identically;
-    on CUDA that is the one host synchronisation, the later passes choose
-    their buckets on the device. float32 and float64 on the CPU instead take
-    two rounds (:func:`_bracket_select`): each rank brackets its share of
-    the threshold from a sample and reads its values once, counting above the
-    bracket and histogramming inside it; one collective of every rank's
-    histogram gives all ranks a narrow bracket of the threshold, and radix
-    passes over the values inside it finish: 2 collectives when the ranks'
-    values are alike (FSDP2's shards of the same layers), up to 4 for float32
-    (7 for float64) and a second read on ranks whose own bracket missed.
+    int64 from 9 to 29 ranks, 16 KB; 10 249 up to 8 ranks, 82 KB; beyond 29,
+    70 more per rank, 560 bytes: the first collective's layout), and picks
+    the bucket that holds the ``k``-th largest. The passes are fixed by the
+    dtype: 3 for float32, 6 for float64, 2 for float16 and bfloat16 (times the
+    number of sharded mesh dimensions). The first pass also sums the global
+    ``n``, the count of non-finite values and ``k``, so every rank validates
+    identically; on CUDA that is the one host synchronisation, the later
+    passes choose their buckets on the device. float32 and float64 on the CPU
+    instead take one or two rounds (:func:`_bracket_select`): each rank
+    brackets its share of the threshold from a sample and reads its values
+    once, counting above the bracket, histogramming inside it and, up to 8
+    ranks, keeping a window of its values around its share; one collective
+    of every rank's histogram and window gives the threshold at once when it
+    lies inside every window (1 collective when the ranks' values are alike,
+    as FSDP2's shards of the same layers), else a narrow bracket of it, and
+    radix passes over the values inside the bracket finish: up to 4
+    collectives for float32 (7 for float64) and a second read on ranks whose
+    own bracket missed.
 
     Args:
         values: a tensor or a list of tensors of one real floating dtype
@@ -649,8 +653,10 @@ def _select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = 
 # bracket's host reads)
 _BRACKET_DEVICES = frozenset({"cpu"})
 def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: bool = False) -> Optional[Tensor]:
-    """The sharded select in two rounds, so that one pass over the data and
-    usually two collectives give the exact threshold:
+    """The sharded select in one or two rounds, so that one pass over the
+    data and usually one collective give the exact threshold (step 2's
+    windows, up to ``_WINDOW_WORLD`` ranks; beyond, or when a window misses,
+    steps 3 and 4, usually one more collective):
 
     1. each rank brackets its own ``s``-th largest ``|v|`` (``s = ceil(k /
        W)`` over ``W`` ranks) from a fixed strided sample of its values
@@ -659,38 +665,53 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
        ``2**j`` ulps aligned at multiples of ``2**j``, and in one fused pass
        (``prunopt.ops.topk_bracket``) counts its values above the bracket,
        keeps those inside it and checks finiteness; the candidates'
-       histogram on the grid is its *slice*;
+       histogram on the grid is its *slice*, the candidates of the grid
+       buckets around its share its *window* (:meth:`_OwnSlice.window`; the
+       bracket holds half a window either side at least);
     2. one ``all_reduce`` sums ``n``, the agreement on ``k`` and the dtype,
-       and lays every rank's slice side by side (each rank writes only its
-       own), so every rank knows, for any bit pattern ``t``, bounds on the
+       and lays every rank's slice and window side by side (each rank writes
+       only its own). When ``tau`` lies inside every window, the pooled
+       windows give it (:func:`_window_tau`): done;
+    3. otherwise every rank knows, for any bit pattern ``t``, bounds on the
        global count of ``|v| >= t`` that are exact at each rank's grid
        points (:func:`_bracket_of_slices`). The largest ``t`` whose lower
        bound reaches ``k`` and the smallest whose upper bound falls below it
        bracket the threshold ``tau`` exactly: ``[L, H]``, one bucket of the
        ranks' grids when their brackets overlap around ``tau``;
-    3. each rank takes its values inside ``[L, H]`` and its count above ``H``
+    4. each rank takes its values inside ``[L, H]`` and its count above ``H``
        from its candidates (another fused pass only on a rank whose own
        bracket does not cover ``[L, H]``, e.g. one whose data differ from the
        others'), and :func:`_select_in_bracket` selects ``tau`` by radix
        passes over them, usually one.
 
-    Exact whatever the samples: a poor bracket widens ``[L, H]`` (more radix
-    passes, a second pass over the data on some ranks), never the answer."""
+    Exact whatever the samples: a window that misses costs step 4, a poor
+    bracket widens ``[L, H]`` (more radix passes, a second pass over the data
+    on some ranks), never the answer."""
     dtype = local[0].dtype
     keys = [v.detach().reshape(-1) for v, c in zip(local, plan.counted) if c and v.numel()]
     world = plan.world
     buckets = _rank_buckets(world)
-    own = _OwnSlice(keys, k, world, buckets, dtype)
-    # 2) the first collective: the slices, n and the agreement
-    n, slices = _first_round(own, k, plan)
-    if any(s.bad for s in slices):
+    windows = _window_area(world) > 0
+    # (with windows, each rank's bracket holds at least the values of a window
+    # either side of its share, so that a small shard's exact bracket is not
+    # one value)
+    spread = _window_slots(world) * (8 // _RADIX[dtype].int_dtype.itemsize) // 2 if windows else 0
+    n_r = sum(v.numel() for v in keys)
+    own = _OwnSlice(keys, k, world, buckets, dtype, bracket=lambda s: _sample_bracket(keys, s, n_r, spread))
+    window = own.window(-(-k // world), _window_slots(world)) if windows else None
+    # 2) the first collective: the slices, the windows, n and the agreement
+    n, vec = _first_collective(own, k, plan, window)
+    if _any_bad(vec, world):
         if nonfinite_is_none:
             return None
         raise ValueError("values contain a non-finite value (on at least one rank)")
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
-    lo_bits, hi_bits = _bracket_of_slices(slices, k, n, _max_finite_bits(dtype))
-    # 3) this rank's candidates in [L, H], then the radix passes among them
+    tau = _window_tau(vec, world, k, dtype) if windows else None
+    if tau is not None:
+        return torch.tensor(tau, dtype=_RADIX[dtype].int_dtype).view(dtype)
+    # 3) the bracket [L, H] from the slices, 4) this rank's candidates in it, then the radix passes among them
+    lo_bits, hi_bits = _bracket_of_slices(_slices(vec, world, buckets), k, n, _max_finite_bits(dtype))
     above, cands = own.candidates(keys, lo_bits, hi_bits)
     got = _select_in_bracket(cands, plan.groups, k, above, False, _bits_value(lo_bits, dtype),
                              _bits_value(hi_bits, dtype), nonfinite_is_none)
@@ -704,10 +725,18 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
 # select too), has one layout, so that ranks of different dtypes, which take
 # different paths, still meet in one collective of one size and all raise: an
 # area (the radix select's 2048-bucket histogram, or the bracketed selects'
-# per-rank slices), then _META integers (n, k's limbs and their squares, the
-# dtype code and its square).
+# per-rank slices, and up to _WINDOW_WORLD ranks their windows), then _META
+# integers (n, k's limbs and their squares, the dtype code and its square).
 _SLICE_HEAD = 6  # a slice: n_r, above, first grid point, log2 of the step, buckets, non-finite flag
 _MIN_RANK_BUCKETS = 64
+# The plain select's first collective also carries, up to _WINDOW_WORLD ranks,
+# each rank's window (see _OwnSlice.window) in _WINDOW_AREA slots after the
+# slices (the other paths leave them zero): its head, then its values' bit
+# patterns. The head: the count above the window, its first bit pattern, its
+# end (exclusive) and its count of values (-1: more than fit).
+_WINDOW_WORLD = 8
+_WINDOW_AREA = 8192
+_WINDOW_HEAD = 4
 
 
 def _first_round(own: "_OwnSlice", k: int, plan: _Plan) -> Tuple[int, List["_Slice"]]:
@@ -716,16 +745,33 @@ def _first_round(own: "_OwnSlice", k: int, plan: _Plan) -> Tuple[int, List["_Sli
     (every rank writes only its own), ``n_r`` and the agreement fields; returns
     the global ``n`` and every rank's :class:`_Slice`, after checking that
     ``k`` and the dtype agree (``ValueError`` on every rank alike)."""
+    n, vec = _first_collective(own, k, plan)
+    return n, _slices(vec, plan.world, _rank_buckets(plan.world))
+
+
+def _first_collective(own: "_OwnSlice", k: int, plan: _Plan, window=None) -> Tuple[int, Tensor]:
+    """:func:`_first_round`'s collective, with this rank's window (``(head,
+    bits)`` of :meth:`_OwnSlice.window`) in its place of the windows' area
+    when given; returns the global ``n`` and the summed vector."""
     world = plan.world
     buckets, area = _rank_buckets(world), _area(world)
     vec = torch.zeros(_first_size(world), dtype=torch.int64)
-    at = _rank_index(plan.groups) * (buckets + _SLICE_HEAD)
+    rank = _rank_index(plan.groups)
+    at = rank * (buckets + _SLICE_HEAD)
     vec[at:at + _SLICE_HEAD] = torch.tensor(own.head)
     vec[at + _SLICE_HEAD:at + _SLICE_HEAD + own.hist.numel()] = own.hist
+    if window is not None:
+        head, bits = window
+        slots = _window_slots(world)
+        at = _slice_area(world) + rank * (_WINDOW_HEAD + slots)
+        vec[at:at + _WINDOW_HEAD] = torch.tensor(head)
+        if bits is not None and bits.numel():
+            seg = vec[at + _WINDOW_HEAD:at + _WINDOW_HEAD + slots]
+            (seg.view(torch.int32) if bits.dtype == torch.int32 else seg)[:bits.numel()] = bits
     vec[area:area + _META] = torch.tensor(_meta(own.n_r, k, _RADIX[own.dtype]))
     _all_reduce(vec, plan.groups)
     n = _agreed_n(vec[area:area + _META].tolist(), k, world)
-    return n, _slices(vec, world, buckets)
+    return n, vec
 
 
 def _rank_buckets(world: int) -> int:
@@ -735,8 +781,27 @@ def _rank_buckets(world: int) -> int:
     return max(_MIN_RANK_BUCKETS, (1 << _HIST0_BITS) // world - _SLICE_HEAD)
 
 
-def _area(world: int) -> int:
+def _slice_area(world: int) -> int:
+    """The slots of the slices (or the radix select's first histogram)."""
     return max(1 << _HIST0_BITS, world * (_rank_buckets(world) + _SLICE_HEAD))
+
+
+def _window_area(world: int) -> int:
+    """The slots of the windows after the slices: ``_WINDOW_AREA`` up to
+    ``_WINDOW_WORLD`` ranks, none beyond (windows of a few hundred values
+    rarely all hold the threshold)."""
+    return _WINDOW_AREA if world <= _WINDOW_WORLD else 0
+
+
+def _window_slots(world: int) -> int:
+    """The slots of values in each rank's window (two float32 or one float64
+    bit pattern per slot)."""
+    return _window_area(world) // world - _WINDOW_HEAD
+
+
+def _area(world: int) -> int:
+    """The slots before the agreement fields: the slices', then the windows'."""
+    return _slice_area(world) + _window_area(world)
 
 
 def _first_size(world: int) -> int:
@@ -804,6 +869,7 @@ class _OwnSlice:
                  bracket=None, scan=None):
         self.dtype, self.n_r = dtype, sum(v.numel() for v in values)
         self.above, self.start, self.stop, self.j, self.bad = 0, 0, 0, 0, False
+        self.scanned = (0, 0)
         self.inside = torch.empty(0, dtype=dtype)
         self.hist = torch.zeros(0, dtype=torch.int64)
         self.more = ()
@@ -821,19 +887,29 @@ class _OwnSlice:
         # of range, which the collective reports on every rank)
         lo, hi = bracket(share) if 1 <= share <= self.n_r else (0.0, math.inf)
         first, end = _value_bits(lo, dtype), min(_value_bits(hi, dtype), top) + 1
-        j = max(0, ((end - first - 1) // buckets).bit_length() - 1)
-        while -(-end >> j) - (first >> j) > buckets:
-            j += 1
-        self.j, self.start, self.stop = j, (first >> j) << j, -(-end >> j) << j
+        self._grid(first, end, buckets)
         if scan is None:
             def scan(a, b):
                 return _topk_bracket(values, a, b)
         self._scan(scan, _bits_value(self.start, dtype), _bits_value(min(self.stop - 1, top), dtype))
-        nb = (self.stop - self.start) >> j
+        self.scanned = (self.start, self.stop)  # (what covers() asks about)
+        if hi == math.inf and self.inside.numel() and not self.bad:
+            # a bracket open above: the grid ends at the largest candidate (nothing
+            # lies beyond it), not at the largest float
+            self._grid(self.start, int(self.inside.view(_RADIX[dtype].int_dtype).max()) + 1, buckets)
+        j, nb = self.j, (self.stop - self.start) >> self.j
         if self.inside.numel():
             off = self.inside.view(_RADIX[dtype].int_dtype).sub(self.start).bitwise_right_shift_(j)
             self.hist = torch.bincount(off, minlength=nb)
         self.head = [self.n_r, self.above, self.start, j, nb, int(self.bad)]
+
+    def _grid(self, first: int, end: int, buckets: int) -> None:
+        """The grid of ``2**j`` ulps aligned at multiples of ``2**j``, at most
+        ``buckets`` buckets, from ``first`` to ``end`` (bit patterns)."""
+        j = max(0, ((end - first - 1) // buckets).bit_length() - 1)
+        while -(-end >> j) - (first >> j) > buckets:
+            j += 1
+        self.j, self.start, self.stop = j, (first >> j) << j, -(-end >> j) << j
 
     def _scan(self, scan, lo: float, hi: float) -> None:
         try:
@@ -842,10 +918,73 @@ class _OwnSlice:
         except ValueError:  # the passes' only ValueError on checked arguments: a non-finite value
             self.bad = True
 
+    def window_range(self, share: int, cap: int) -> Optional[Tuple[int, int]]:
+        """The bit patterns ``[lo, end)`` of whole grid buckets around the
+        bucket of this rank's ``share``-th largest, as many buckets either
+        side as hold at most ``cap`` candidates in all; ``None`` when that
+        bucket alone holds more (or on a non-finite value). Only for a rank
+        with values."""
+        if self.bad:
+            return None
+        nb = (self.stop - self.start) >> self.j
+        ge = np.full(nb + 1, self.above, dtype=np.int64)  # ge[i]: values >= start + i 2**j
+        if self.hist.numel():
+            ge[:nb] += np.cumsum(self.hist.numpy()[::-1])[::-1]
+        centre = max(int(np.count_nonzero(ge[:nb] >= share)) - 1, 0)  # ge is non-increasing
+
+        def span(r: int) -> Tuple[int, int]:
+            return max(centre - r, 0), min(centre + 1 + r, nb)
+
+        def fits(r: int) -> bool:
+            a, b = span(r)
+            return int(ge[a] - ge[b]) <= cap
+
+        if not fits(0):
+            return None
+        lo_r, hi_r = 0, nb  # the widest radius that fits
+        while lo_r < hi_r:
+            mid = (lo_r + hi_r + 1) // 2
+            if fits(mid):
+                lo_r = mid
+            else:
+                hi_r = mid - 1
+        first, last = span(lo_r)
+        # (no value lies beyond the largest finite: the end is at most top + 1)
+        return self.start + (first << self.j), min(self.start + (last << self.j), _max_finite_bits(self.dtype) + 1)
+
+    def window_head(self, a: int, lo: int, end: int, m: int) -> List[int]:
+        """A window's head ``[a, lo, end, m]``, opened where nothing lies
+        beyond it: a window with nothing above it (``a = 0``) counts exactly
+        for every ``t >= lo`` (its end becomes ``top + 1``), one with nothing
+        below it (``a + m = n_r``) for every ``t < end`` (it starts at 0)."""
+        return [a, lo if a + m < self.n_r else 0, end if a else _max_finite_bits(self.dtype) + 1, m]
+
+    def window(self, share: int, slots: int) -> Tuple[List[int], Optional[Tensor]]:
+        """This rank's window for the one-collective select
+        (:func:`_window_tau`): its candidates in :meth:`window_range`, as
+        many as fit in ``slots`` (two float32 or one float64 per slot).
+        Returns ``(head, bits)``: ``head = [a, lo, end, m]``, the count ``a``
+        of values ``>= end``, the window's first bit pattern ``lo`` and its
+        end ``end`` (exclusive), its count ``m`` (``-1`` when one bucket is
+        already more than fits, or on a non-finite value), and the ``m``
+        values' bit patterns (int32 for float32, int64 for float64). For any
+        bit pattern ``t`` in ``[lo, end)`` this rank has exactly
+        ``a + #{window >= t}`` values ``>= t`` (see :meth:`window_head`); a
+        rank without values has ``a = m = 0`` over ``[0, top + 1)``."""
+        if not self.n_r:
+            return [0, 0, _max_finite_bits(self.dtype) + 1, 0], None
+        got = self.window_range(share, slots * (8 // _RADIX[self.dtype].int_dtype.itemsize))
+        if got is None:
+            return [0, 0, 0, -1], None
+        lo, end = got
+        count, vals = _topk_bracket([self.inside], _bits_value(lo, self.dtype), _bits_value(end - 1, self.dtype))
+        return (self.window_head(self.above + int(count), lo, end, vals.numel()),
+                vals.view(_RADIX[self.dtype].int_dtype))
+
     def covers(self, lo_bits: int, hi_bits: int) -> bool:
         """Whether this rank's bracket holds ``[L, H]`` (bit patterns): then
         its candidates are all its values in ``[L, H]``."""
-        return self.start <= lo_bits and hi_bits < self.stop
+        return self.scanned[0] <= lo_bits and hi_bits < self.scanned[1]
 
     def candidates(self, keys: List[Tensor], lo_bits: int, hi_bits: int) -> Tuple[int, Tensor]:
         """This rank's count of ``|v| > H`` and its ``|v|`` in ``[L, H]`` (bit
@@ -885,6 +1024,38 @@ class _Slice:
         if t >= self.stop:
             return self.above if self.n_r else 0
         return self.ge[(t - self.start) >> self.j]
+
+
+def _any_bad(vec: Tensor, world: int) -> bool:
+    """Whether a slice of the summed first collective ``vec`` flags a
+    non-finite value."""
+    width = _rank_buckets(world) + _SLICE_HEAD
+    return bool(vec[:world * width].view(world, width)[:, _SLICE_HEAD - 1].any())
+
+
+def _window_tau(vec: Tensor, world: int, k: int, dtype: torch.dtype) -> Optional[int]:
+    """The bit pattern of the ``k``-th largest ``|v|`` from every rank's
+    window (the summed first collective ``vec``), or ``None`` when the windows
+    do not show it (the same on every rank). With ``A`` the sum of the counts
+    above the windows and ``P`` the pool of all windows' values, every ``t``
+    inside all windows (``max lo <= t < min end``) has exactly ``A + #{P >=
+    t}`` values ``>= t`` over all ranks, so the ``(k - A)``-th largest of
+    ``P``, when it lies inside all windows, is the threshold."""
+    slots = _window_slots(world)
+    at = _slice_area(world)
+    rows = vec[at:at + world * (_WINDOW_HEAD + slots)].view(world, _WINDOW_HEAD + slots).numpy()
+    heads = rows[:, :_WINDOW_HEAD]
+    if (heads[:, 3] < 0).any():
+        return None
+    rest = k - int(heads[:, 0].sum())
+    vals = rows[:, _WINDOW_HEAD:]
+    if dtype == torch.float32:
+        vals = vals.view(np.int32)
+    pool = np.concatenate([vals[r, :int(m)] for r, m in enumerate(heads[:, 3])])
+    if not 1 <= rest <= pool.size:
+        return None
+    t = int(np.partition(pool, pool.size - rest)[pool.size - rest])
+    return t if int(heads[:, 1].max()) <= t < int(heads[:, 2].min()) else None
 
 
 def _slices(area: Tensor, world: int, buckets: int) -> List[_Slice]:
@@ -1071,16 +1242,17 @@ def _sample(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> Tens
     return out
 
 
-def _sample_bracket(keys: List[Tensor], share: int, n_r: int) -> Tuple[float, float]:
+def _sample_bracket(keys: List[Tensor], share: int, n_r: int, spread: int = 0) -> Tuple[float, float]:
     """``(lo, hi)`` in the dtype of ``keys``, with ``lo <= t <= hi`` for the
     ``share``-th largest ``|v|`` ``t`` of ``keys`` with high probability
-    (certainly when the sample is all of ``keys``; ``hi`` may be ``inf``).
+    (certainly when the sample is all of ``keys``; ``hi`` may be ``inf``),
+    and (about) ``spread`` values either side of ``t`` at least.
     A non-finite sample value gives the widest bracket (the fused pass then
     reports it)."""
-    return _bracket_of_sample(_sample(keys, n_r), share, n_r)
+    return _bracket_of_sample(_sample(keys, n_r), share, n_r, spread)
 
 
-def _bracket_of_sample(sample: Tensor, share: int, n_r: int) -> Tuple[float, float]:
+def _bracket_of_sample(sample: Tensor, share: int, n_r: int, spread: int = 0) -> Tuple[float, float]:
     """:func:`_sample_bracket` from the sample's ``|v|`` (all ``n_r`` values
     of the rank when ``sample`` has as many)."""
     ns = sample.numel()
@@ -1089,6 +1261,7 @@ def _bracket_of_sample(sample: Tensor, share: int, n_r: int) -> Tuple[float, flo
     q = share / n_r  # the share's place from the top, as a fraction
     p = q * ns
     margin = 0 if ns == n_r else _SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
+    margin = max(margin, spread * ns / n_r)
     top = int(math.floor(p - margin))      # ranks from the top (1 = the largest)
     bottom = int(math.ceil(p + margin))
     try:
@@ -1144,8 +1317,9 @@ def _radix_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none: b
     if bad:  # counted as an element of a non-finite digit, so every rank sees it
         vec[spec.nonfinite_digit] += 1
     _all_reduce(vec, plan.groups)
-    tail = vec[spec.nonfinite_digit:].tolist()  # the one read back (host sync on CUDA)
-    meta = tail[meta_at - spec.nonfinite_digit:][:_META + extra]
+    # the one read back (host sync on CUDA): the non-finite digits' counts and the agreement fields
+    tail = torch.cat([vec[spec.nonfinite_digit:1 << w0], vec[meta_at:meta_at + _META + extra]]).tolist()
+    meta = tail[(1 << w0) - spec.nonfinite_digit:]
     n = _agreed_n(meta, k, plan.world)
     if sum(tail[:(1 << w0) - spec.nonfinite_digit]):
         if nonfinite_is_none:

@@ -376,18 +376,21 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
             # the baselines move all N values (the gathered tensor, the dense scores) whatever the ranks
             payload = r0["bytes"] * WORLD if kind == "all_gather" else r0["bytes"]
             for w in MODEL_RANKS:
-                grown = payload
+                grown, calls = payload, r0["calls"]
                 if (op, name) == ("threshold", "sharded"):
-                    # the first call grows with the ranks beyond 29 (a 70-slot histogram slice per rank:
-                    # prunopt.distributed._first_size)
+                    # the first call: the windows' 8192 slots up to 8 ranks, none beyond, and the slices'
+                    # area grows beyond 29 ranks (70 slots per rank): prunopt.distributed._first_size
                     grown += 8 * (D._first_size(w) - D._first_size(WORLD))
+                    if w > D._WINDOW_WORLD and calls == 1:
+                        # without windows, the slices' bracket and one radix pass (2051 slots) on alike ranks
+                        calls, grown = 2, grown + 8 * (2048 + 3)
                 elif (op, name) == ("projection", "sharded") and D._PROJ_DEVICES:
                     # the sample call and each pass grow by 16 and 8 bytes per rank (two float64 counts, one):
                     # prunopt.distributed._proj_sizes
                     (f_w, p_w), (f_2, p_2) = D._proj_sizes(w), D._proj_sizes(WORLD)
                     grown += 8 * ((f_w - f_2) + (r0["calls"] - 1) * (p_w - p_2))
                 rows.append({"n": n, "op": op, "contender": f"model: {name}", "ranks": w, "time_ms": "",
-                             "vs_one_process": "", "collectives_per_call": r0["calls"],
+                             "vs_one_process": "", "collectives_per_call": calls,
                              "payload_bytes_per_rank": _ring_bytes(kind, grown, w)})
     notes = (f"float32; N elements in all, 2 gloo ranks spawned on this machine (127.0.0.1), {per_rank} thread(s) "
              f"each; one-process contenders with {threads} threads and 1 after the ranks exit. threshold: k = N/10 of "
@@ -398,8 +401,9 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
-             "payload does not depend on N (the threshold's first call carries, beyond 29 ranks, a 70-entry "
-             "slice per rank, 560 bytes; the projection's calls 16 and 8 bytes per rank). "
+             "payload does not depend on N (the threshold's first call carries up to 8 ranks every rank's window, "
+             "8192 slots in all, and no window beyond, where alike ranks take a second call of 2051 slots; beyond "
+             "29 ranks, a 70-entry slice per rank, 560 bytes; the projection's calls 16 and 8 bytes per rank). "
              "Targets: sharded bytes per rank per call independent of N (<= 1 MB); the 2-rank sharded threshold "
              "<= 1.5x the one-process time on the same N. "
              "vs_one_process_1_thread: against the one-process op on one thread (a loaded host inflates the "

@@ -537,6 +537,9 @@ class _FusedShare:
         grads = [loc.grads[i].detach().reshape(-1) for i in pruned]
         n_r = sum(g.numel() for g in grads)
 
+        # (with windows, the bracket holds at least half a window either side of the share)
+        spread = (D._window_slots(world) - 2) // 4 if D._window_area(world) else 0
+
         def bracket(share: int):
             # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
             gs = D._sample_parts(grads, n_r)
@@ -544,7 +547,7 @@ class _FusedShare:
             xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r) if wd else gs
             parts = [(-g if rows[i][4] else g) + x * rows[i][2] if rows[i][2] != 0.0 else g
                      for i, g, x in zip(pruned, gs, xs)]
-            return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r)
+            return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r, spread)
 
         self.own = D._OwnSlice(grads, T, world, D._rank_buckets(world), self.dtype, bracket=bracket,
                                scan=self._scan)
@@ -561,6 +564,40 @@ class _FusedShare:
         if bad:
             raise ValueError("PrunAdag: an effective gradient is not finite")
         return int(a), keys, G, X, m
+
+    def window(self, share: int, slots: int):
+        """Round 1's window for the one-collective select (the prunAdag form
+        of :meth:`prunopt.distributed._OwnSlice.window`, read back by
+        :func:`_window_select`): the candidates of whole grid buckets
+        ``[lo, end)`` around this rank's share, each with its sign-matched
+        ``x^2`` ``m``, as many as fit in ``slots`` (two slots each, after two
+        for the sums). Returns ``(head, slots)``: ``head = [a, lo, end, count]``
+        (``count = -1`` when they do not fit) and int64 slots holding the bit
+        patterns of ``G_w = G + sum_{c >= end} c^2`` and ``X_w = X +
+        sum_{c < lo} m`` (float64), then each candidate's bit pattern and its
+        ``m``'s. For any ``t`` in ``[lo, end)`` this rank's ``||g||^2`` over
+        ``|ge| >= t`` is ``G_w + sum_{window c >= t} c^2`` and its ``x^2``
+        over ``|ge| < t`` is ``X_w + sum_{window c < t} m``."""
+        from prunopt import distributed as D
+
+        own = self.own
+        if not own.n_r:  # (no pruned values here: no sums either)
+            return [0, 0, D._max_finite_bits(self.dtype) + 1, 0], torch.zeros(2, dtype=torch.int64)
+        got = own.window_range(share, (slots - 2) // 2)
+        if got is None:
+            return [0, 0, 0, -1], None
+        lo, end = got
+        keys, (G, X, m) = own.inside, own.more
+        bits = keys.view(D._RADIX[self.dtype].int_dtype)  # (|ge|: no sign bit)
+        up, down = bits >= end, bits < lo
+        inside = ~(up | down)
+        c2 = keys.double().square()
+        cb = bits[inside]
+        out = torch.empty(2 + 2 * cb.numel(), dtype=torch.int64)
+        out[:2] = torch.tensor([G + float(c2[up].sum()), X + float(m[down].sum())], dtype=torch.float64).view(torch.int64)
+        out[2::2] = cb
+        out[3::2] = m[inside].double().view(torch.int64)
+        return own.window_head(own.above + int(up.sum()), lo, end, cb.numel()), out
 
     def candidates(self, lo_bits: int, hi_bits: int):
         """Round 2 for ``[L, H]`` (bit patterns): ``(cands, above, (c2, m),
@@ -591,6 +628,40 @@ class _FusedShare:
         return keys, a, (keys.double().square(), m), (G, X)
 
 
+def _window_select(vec: Tensor, world: int, T: int, dtype: torch.dtype):
+    """``(tau, g_r2, x_m2)`` from every rank's :meth:`_FusedShare.window`
+    in the summed first collective ``vec``, or ``None`` when the windows do
+    not show ``tau`` (the same on every rank): ``tau`` as in
+    :func:`prunopt.distributed._window_tau`, then ``||g||_R^2`` the ranks'
+    ``G_w`` and the pooled ``c^2`` of ``c >= tau``, ``||x||_M^2`` the ranks'
+    ``X_w`` and the pooled ``m`` of ``c < tau`` (float64 sums in one order on
+    every rank)."""
+    import numpy as np
+
+    from prunopt import distributed as D
+
+    slots, head = D._window_slots(world), D._WINDOW_HEAD
+    at = D._slice_area(world)
+    rows = vec[at:at + world * (head + slots)].view(world, head + slots).numpy()
+    heads = rows[:, :head]
+    if (heads[:, 3] < 0).any():
+        return None
+    rest = T - int(heads[:, 0].sum())
+    sums = rows[:, head:head + 2].view(np.float64)
+    c = np.concatenate([rows[r, head + 2:head + 2 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])])
+    mm = np.concatenate([rows[r, head + 3:head + 3 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])]).view(np.float64)
+    if not 1 <= rest <= c.size:
+        return None
+    t = int(np.partition(c, c.size - rest)[c.size - rest])
+    if not int(heads[:, 1].max()) <= t < int(heads[:, 2].min()):
+        return None
+    cv = c.astype(np.int32).view(np.float32).astype(np.float64) if dtype == torch.float32 else c.view(np.float64)
+    ge = c >= t
+    g_r2 = math.fsum(sums[:, 0].tolist()) + float(np.square(cv[ge]).sum())
+    x_m2 = math.fsum(sums[:, 1].tolist()) + float(mm[~ge].sum())
+    return torch.tensor(t, dtype=D._RADIX[dtype].int_dtype).view(dtype), g_r2, x_m2
+
+
 def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
     """The threshold of one scope over every rank and the ratio's norms from
     the same pass (the sharded form of the one-process fused scan), in the two
@@ -618,9 +689,16 @@ def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
        ``G2``, ``X2`` in the first of them, so that
        ``||g||_R^2 = G2 + sum_{c >= tau} c^2`` and
        ``||x||_M^2 = X2 + sum_{c < tau} m_c`` come out of the same
-       collectives: one pass when the ranks' values are alike (FSDP2's shards
-       of the same layers), so 2 collectives in all (at most 4 for float32,
-       7 for float64); no norms pass, no norms collective.
+       collectives: one pass when the ranks' values are alike (at most 4
+       collectives for float32, 7 for float64); no norms pass, no norms
+       collective.
+
+    Up to ``_WINDOW_WORLD`` ranks the first collective also carries every
+    rank's window (:meth:`_FusedShare.window`: its candidates around its
+    share with their ``m``, and the sums outside it), and when ``tau`` lies
+    inside every window (alike ranks, FSDP2's shards of the same layers) the
+    pooled windows give ``tau`` and both norms at once
+    (:func:`_window_select`): 1 collective in all, steps 2-3 skipped.
 
     Exact whatever the samples: a poor bracket widens ``[L, H]`` or costs a
     second read, never the answer.
@@ -642,20 +720,28 @@ def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
             or any(p.dtype != dtype or p.device != device for p in loc.params)):
         return None
     plan = D._plan(loc.params, group, "params")
-    share = _FusedShare(loc, counted, T, plan.world)
-    n, slices = D._first_round(share.own, T, plan)
-    if any(s.bad for s in slices):
+    world = plan.world
+    share = _FusedShare(loc, counted, T, world)
+    windows = D._window_area(world) > 0
+    window = share.window(-(-T // world), D._window_slots(world)) if windows else None
+    n, vec = D._first_collective(share.own, T, plan, window)
+    if D._any_bad(vec, world):
         return _NONFINITE
     if not 1 <= T <= n:
         raise ValueError(f"k must be in [1, n={n}], got {T}")
-    lo_bits, hi_bits = D._bracket_of_slices(slices, T, n, D._max_finite_bits(dtype))
-    cands, above, weights, extra = share.candidates(lo_bits, hi_bits)
-    got = D._select_in_bracket(cands, plan.groups, T, above, False, D._bits_value(lo_bits, dtype),
-                               D._bits_value(hi_bits, dtype), True, weights=weights, extra=extra)
-    if got is D._MISSED:  # unreachable: [L, H] holds tau by construction (kept as a safe answer)
-        return None
-    tau, s_ge, s_lt, (G, X) = got
-    g_r2, x_m2 = G + s_ge, X + s_lt
+    got = _window_select(vec, world, T, dtype) if windows else None
+    if got is not None:
+        tau, g_r2, x_m2 = got
+    else:
+        slices = D._slices(vec, world, D._rank_buckets(world))
+        lo_bits, hi_bits = D._bracket_of_slices(slices, T, n, D._max_finite_bits(dtype))
+        cands, above, weights, extra = share.candidates(lo_bits, hi_bits)
+        got = D._select_in_bracket(cands, plan.groups, T, above, False, D._bits_value(lo_bits, dtype),
+                                   D._bits_value(hi_bits, dtype), True, weights=weights, extra=extra)
+        if got is D._MISSED:  # unreachable: [L, H] holds tau by construction (kept as a safe answer)
+            return None
+        tau, s_ge, s_lt, (G, X) = got
+        g_r2, x_m2 = G + s_ge, X + s_lt
     xmin = _XMIN[dtype]
     small = x_m2 < n * xmin * xmin * (2.0 ** 24 if dtype == torch.float32 else 2.0 ** 53)
     if (dtype == torch.float32 and g_r2 < n * 2.0 ** -102) or small:

@@ -131,7 +131,12 @@ def test_fused_select_is_the_exact_threshold_and_norms(dtype, sizes, seed, frac,
     if sampled:
         D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = 64, 64, 4
     try:
-        _check(s, [True] * len(sizes), T, dtype)
+        for windows in (D._WINDOW_WORLD, 0):  # the one-collective path, and the slices' path
+            saved_w, D._WINDOW_WORLD = D._WINDOW_WORLD, windows
+            try:
+                _check(s, [True] * len(sizes), T, dtype)
+            finally:
+                D._WINDOW_WORLD = saved_w
     finally:
         D._SAMPLE_MIN, D._SAMPLE_MAX, D._SAMPLE_BLOCK = saved
 
@@ -142,8 +147,8 @@ def test_sampled_bracket_selects_among_the_candidates(dtype, T, monkeypatch):
     """With a sample smaller than the shard (512 of 2000 values, blocks of 4)
     the bracket holds tau (ordinary data, T away from the ends) and the radix
     passes run over the candidates only, in a float64 vector that carries the
-    weights."""
-    for name, value in (("_SAMPLE_MIN", 512), ("_SAMPLE_MAX", 512), ("_SAMPLE_BLOCK", 4)):
+    weights (the slices' path: no windows)."""
+    for name, value in (("_SAMPLE_MIN", 512), ("_SAMPLE_MAX", 512), ("_SAMPLE_BLOCK", 4), ("_WINDOW_WORLD", 0)):
         monkeypatch.setattr(D, name, value)
     s = _scope(dtype, [1200, 700, 100], 9, wd=0.05)
     seen = []
@@ -188,7 +193,7 @@ def test_a_bracket_that_misses_costs_a_second_read_not_the_answer(monkeypatch, b
     s = _scope(torch.float32, [2000, 345], 4)
     top = float(torch.cat(s.grads).abs().max())
     ends = {"missed_above": (top, top), "missed_below": (0.0, 0.0), "unbounded": (0.0, math.inf)}[bracket]
-    monkeypatch.setattr(D, "_bracket_of_sample", lambda sample, share, n_r: ends)
+    monkeypatch.setattr(D, "_bracket_of_sample", lambda sample, share, n_r, spread=0: ends)
     reads = _counting_reads(monkeypatch)
     _check(s, [True, True], 500, torch.float32)
     assert reads == ([2345] if bracket == "unbounded" else [2345, 2345])
@@ -281,10 +286,11 @@ def _rank_scopes(dtype, sizes, scales, seed, **kw):
 
 
 def test_alike_ranks_read_once_and_meet_twice(monkeypatch):
-    """Two ranks with alike values (FSDP2's shards of the same layers): each
-    reads x and g once, [L, H] is one bucket of their common grid, and one
-    radix pass finishes: 2 collectives in all, tau exact and the norms to the
-    rounding of their sums."""
+    """The slices' round (where the windows miss) on two ranks with alike
+    values (FSDP2's shards of the same layers): each reads x and g once,
+    [L, H] is one bucket of their common grid, and one radix pass finishes:
+    2 collectives in all, tau exact and the norms to the rounding of their
+    sums."""
     scopes = _rank_scopes(torch.float32, [[150_000, 50_000]] * 2, [1.0, 1.0], 21, wd=0.01)
     counted = [[True, True]] * 2
     T = 40_000
@@ -302,7 +308,9 @@ def test_ranks_whose_bracket_misses_read_again_still_exact(monkeypatch, scale, r
     alike, every rank's bracket of its equal share holds tau (one read each);
     5% larger, or 100x smaller or larger, the third moves tau out of every
     rank's own bracket, so every rank reads x and g a second time with
-    [L, H]: slower, still exact."""
+    [L, H]: slower, still exact. (The slices' path, without windows: their
+    brackets are then those of the sample alone.)"""
+    monkeypatch.setattr(D, "_WINDOW_WORLD", 0)
     scopes = _rank_scopes(torch.float32, [[30_000, 20_000]] * 3, [1.0, 1.0, scale], 22, wd=0.01)
     counted = [[True, True]] * 3
     T = 20_000
@@ -364,3 +372,80 @@ def test_a_nonfinite_gradient_on_one_rank_is_seen_by_every_rank(small_sample):
     scopes[2].grads[1][7] = math.nan
     got, shares, _ = _simulated_select(scopes, [[True, True]] * 3, 300)
     assert got is _NONFINITE and [sh.own.bad for sh in shares] == [False, False, True]
+
+
+# ------------------------------------------ the whole fused select, ranks as threads
+
+def _threaded_select(scopes, counted, T, monkeypatch):
+    """:func:`_fused_select` itself on every simulated rank (threads, their
+    collectives summed by tests/distributed/_simranks.py): every rank's
+    answer, exception and all_reduce sizes."""
+    from tests.distributed._simranks import SimRanks, plan_of
+
+    world = len(scopes)
+    sim = SimRanks(world)
+    monkeypatch.setattr(D, "_plan", lambda params, group, name: plan_of(params, world))
+    out, errs = sim.run(lambda r: _fused_select(scopes[r], counted[r], T, object()))
+    assert all(e is None for e in errs), errs
+    return out, sim.calls
+
+
+def _same_answers(out):
+    """Every rank's answer is the same: tau bit for bit, the same floats."""
+    taus = {o[0].view(_INT[o[0].dtype]).item() for o in out}
+    assert len(taus) == 1 and len({o[1] for o in out}) == 1, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_alike_ranks_take_one_collective_with_the_norms(dtype, world, monkeypatch):
+    """Ranks of alike shards: the threshold lies inside every rank's window,
+    so the first collective (the size of every select's first) gives tau and
+    both norms, each rank reading x and g once."""
+    scopes = _rank_scopes(dtype, [[30_000, 10_000]] * world, [1.0] * world, 31, wd=0.01)
+    counted = [[True, True]] * world
+    reads = _counting_reads(monkeypatch)
+    for T in (1, 4_000 * world, 20_000 * world, 40_000 * world - 1):
+        reads.clear()
+        out, calls = _threaded_select(scopes, counted, T, monkeypatch)
+        assert calls == [[D._first_size(world) * 8]] * world, (T, calls)
+        assert reads == [40_000] * world
+        _same_answers(out)
+        _assert_exact(out[0], _merged(scopes), counted[0] * world, T, dtype)
+
+
+def test_a_rank_unlike_the_others_takes_the_slices_round(monkeypatch):
+    """A rank whose gradients are 4x the others': the windows cannot all hold
+    tau, the slices' bracket and the radix passes carrying the norms finish
+    (another collective at least), still exact."""
+    scopes = _rank_scopes(torch.float32, [[20_000]] * 2, [1.0, 4.0], 32, wd=0.01)
+    out, calls = _threaded_select(scopes, [[True]] * 2, 6_000, monkeypatch)
+    assert len(calls[0]) >= 2 and calls[0][0] == D._first_size(2) * 8, calls
+    _same_answers(out)
+    _assert_exact(out[0], _merged(scopes), [True] * 2, 6_000, torch.float32)
+
+
+# (the fixture only sets the sample's size: the same for every input)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ranks_case())
+@example((torch.float32, [[2000, 700], [2000, 700]], [1.0, 1.0], "normal", 0.3, False, (), None, 0, 0.1))
+@example((torch.float32, [[2000], [0], [3, 100]], [1.0, 1.0, 4.0], "ties", 0.0, True, (), 0, 1, 1.0))
+@example((torch.float64, [[700, 1], [2000, 3]], [1e-3, 1.0], "normal", 0.3, False, (1,), 1, 2, 0.0))
+def test_threaded_ranks_select_exactly(small_sample, monkeypatch, case):
+    """The whole fused select on simulated ranks, whichever path it takes
+    (windows, or the slices and radix passes): the same answer on every rank,
+    tau bit-identical to one process over the union, the norms to the
+    rounding of their float64 sums."""
+    dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac = case
+    scopes = _rank_scopes(dtype, sizes, scales, seed, wd=wd, maximize=maximize, unpruned=unpruned, kind=kind)
+    counted = [[not (i == uncounted and r > 0) for i in range(len(s.params))] for r, s in enumerate(scopes)]
+    merged = _merged(scopes)
+    flat = [c for cs in counted for c in cs]
+    n = sum(x.numel() for x, h, c in zip(merged.params, merged.hypers, flat) if h.prune and c)
+    if n == 0:
+        return
+    T = min(n, 1 + int(frac * (n - 1)))
+    with monkeypatch.context() as m:
+        out, _ = _threaded_select(scopes, counted, T, m)
+    _same_answers(out)
+    _assert_exact(out[0], merged, flat, T, dtype)

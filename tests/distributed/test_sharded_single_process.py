@@ -358,11 +358,17 @@ def test_ranks_whose_bracket_misses_read_their_values_again(scale, rereads):
 
 
 def test_rank_buckets_fit_the_first_collective():
-    for world in (1, 2, 3, 8, 29, 30, 64, 512):
+    for world in (1, 2, 3, 8, 9, 29, 30, 64, 512):
         b = D._rank_buckets(world)
-        assert b >= 64 and world * (b + D._SLICE_HEAD) <= D._area(world)
-        assert D._area(world) == 2048 or b == 64  # 2048 slots until the 64-bucket floor
-    assert D._first_size(2) == 2048 + 9
+        assert b >= 64 and world * (b + D._SLICE_HEAD) <= D._slice_area(world)
+        assert D._slice_area(world) == 2048 or b == 64  # 2048 slots until the 64-bucket floor
+        # the windows: 8192 slots up to 8 ranks (at least 1020 values per rank), none beyond
+        w = D._window_area(world)
+        assert w == (8192 if world <= 8 else 0)
+        assert not w or world * (D._window_slots(world) + D._WINDOW_HEAD) <= w and D._window_slots(world) >= 1020
+        assert D._area(world) == D._slice_area(world) + w
+    assert D._first_size(2) == 2048 + 8192 + 9
+    assert D._first_size(9) == 2048 + 9
 
 
 def test_bracket_select_non_finite():

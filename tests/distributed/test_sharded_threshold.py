@@ -172,16 +172,17 @@ def sc_collectives(rank, world):
         calls.append(t.numel() * t.element_size())
         return orig(t, *a, **kw)
 
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(7 + rank)  # alike ranks, not equal ones
     out = {}
     dist.all_reduce = counting
     try:
         for dtype in (torch.float32, torch.float64, torch.bfloat16):
             for n in (10, 100_000):
                 x = torch.randn(n, generator=g).to(dtype)
-                calls.clear()
-                D.topk_threshold(x, n // 2 + 1)
-                out[(str(dtype), n)] = list(calls)
+                for kind, scale in (("alike", 1.0), ("unlike", 4.0 if rank else 1.0)):
+                    calls.clear()
+                    D.topk_threshold(x * scale, n // 2 + 1)
+                    out[(str(dtype), n, kind)] = list(calls)
     finally:
         dist.all_reduce = orig
     return out
@@ -379,24 +380,29 @@ def test_replicated_counts_once(results):
 
 
 def test_fixed_number_of_small_collectives(results):
+    first = (2048 + 8192 + 9) * 8  # every select's first call on 2 ranks (see _first_size)
     for per_rank in ok(results["sc_collectives"]):
-        for (dtype, n), calls in per_rank.items():
+        for (dtype, n, kind), calls in per_rank.items():
             if dtype == "torch.bfloat16":  # the radix passes alone
-                assert len(calls) == 2, (dtype, n, calls)
-            else:
-                # float32/float64 on the CPU: n, the agreement and every rank's slice
-                # (its counts and a histogram of its candidates, 1018 buckets on 2
-                # ranks) in one call of the radix select's first size, then 1 to 3
-                # (float32) or 6 (float64) radix passes over the offsets inside the
-                # bracket (the first also sums the counts above it): a bound that does
-                # not depend on n
-                assert calls[0] == 2057 * 8, (dtype, n, calls)
+                assert len(calls) == 2 and calls[0] == first, (dtype, n, calls)
+                continue
+            # float32/float64 on the CPU: n, the agreement, every rank's slice (its
+            # counts and a histogram of its candidates, 1018 buckets on 2 ranks) and
+            # window (the values around its share, 8184 float32 or 4092 float64) in
+            # one call of the first size
+            assert calls[0] == first, (dtype, n, calls)
+            if kind == "alike":
+                # the threshold lies inside every rank's window: that one call
+                assert len(calls) == 1, (dtype, n, kind, calls)
+            elif n > 10:
+                # a rank 4x the other: the windows miss, then 1 to 3 (float32) or 6
+                # (float64) radix passes over the offsets inside the bracket (the
+                # first also sums the counts above it): a bound that does not depend on n
                 assert 1 <= len(calls) - 1 <= {"torch.float32": 3, "torch.float64": 6}[dtype], (dtype, n, calls)
                 assert calls[1] == 2051 * 8 and all(c <= 2048 * 8 for c in calls[2:]), (dtype, n, calls)
-                if (dtype, n) == ("torch.float32", 100_000):
-                    # alike ranks: [L, H] is one bucket of their grids (2**10 ulps), one radix pass
-                    assert len(calls) == 2, calls
-            assert max(calls) <= 2057 * 8, calls  # one 2048-bucket histogram + 9 integers
+            else:  # 10 values: a rank's window holds all of its values
+                assert len(calls) == 1, (dtype, n, kind, calls)
+            assert max(calls) <= first, calls
 
 
 @pytest.mark.parametrize("name,kind,text", [
