@@ -147,6 +147,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
         contenders = {
             ("threshold", "sharded"): lambda: D.topk_threshold(grad, k),
             ("threshold", "sharded, polled waits"): _polled(lambda: D.topk_threshold(grad, k)),
+            ("threshold", "sharded without windows"): _without_windows(lambda: D.topk_threshold(grad, k)),
             ("threshold", "all_gather + kthvalue"):
                 lambda: torch.kthvalue(gathered(grad).abs_(), m * world - k + 1).values,
             ("threshold", "dense all_reduce + topk_threshold"): lambda: D._topk_threshold_one(dense(grad), k),
@@ -164,7 +165,8 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
                 outs[key] = fn()
             results[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
         thr = outs[("threshold", "sharded")]
-        for key in (("threshold", "sharded, polled waits"), ("threshold", "all_gather + kthvalue"),
+        for key in (("threshold", "sharded, polled waits"), ("threshold", "sharded without windows"),
+                    ("threshold", "all_gather + kthvalue"),
                     ("threshold", "dense all_reduce + topk_threshold")):
             if not torch.equal(thr.view(torch.int32), outs[key].view(torch.int32)):
                 raise AssertionError(f"sharded threshold {thr} differs from {key[1]} {outs[key]}")
@@ -198,6 +200,22 @@ def _polled(fn, seconds: float = 0.005):
             return fn()
         finally:
             D.set_poll_time(previous)
+
+    return call
+
+
+def _without_windows(fn):
+    """``fn`` run without the windows in the selects' first collective (the
+    slices' bracket and its radix passes: 2 collectives on alike ranks): the
+    windows' effect, measured side by side."""
+    import prunopt.distributed as D
+
+    def call():
+        previous, D._WINDOW_WORLD = D._WINDOW_WORLD, 0
+        try:
+            return fn()
+        finally:
+            D._WINDOW_WORLD = previous
 
     return call
 
@@ -256,6 +274,7 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
     contenders = {
         ("fsdp2 step", "PrunAdag (fused, V3, 10 %)"): prunadag,
         ("fsdp2 step", "PrunAdag (fused, V3, 10 %), polled waits"): prunadag,
+        ("fsdp2 step", "PrunAdag (fused, V3, 10 %), without windows"): prunadag,
         # torch's fused Adagrad has no DTensor sharding rule: foreach and the for-loop are what runs under FSDP2
         ("fsdp2 step", "torch Adagrad (foreach)"): lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01, foreach=True),
         ("fsdp2 step", "torch Adagrad (for-loop)"):
@@ -266,9 +285,11 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
         model = sharded()
         opt = make(model)
         opt.step()  # state created, kernels warm
+        wrap = {"polled waits": _polled, "without windows": _without_windows}.get(key[1].rpartition(", ")[2])
+        step = wrap(opt.step) if wrap else opt.step
         with _Counter() as cnt:
-            opt.step()
-        steps[key] = _polled(opt.step) if key[1].endswith("polled waits") else opt.step
+            step()
+        steps[key] = step
         out[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
     for key, secs in _lockstep_medians(steps, reps).items():
         out[key]["seconds"] = secs
@@ -415,7 +436,9 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "DTensor support) (vs_adagrad; target <= 1.3), verified first against the "
              "one-process PrunAdag step on the gathered parameters. 'polled waits': the same calls with "
              "prunopt.distributed.set_poll_time(0.005) (each collective polled for completion for up to 5 ms "
-             "before it blocks; the default blocks at once). "
+             "before it blocks; the default blocks at once). 'without windows': the same calls with the selects' "
+             "windows off (the slices' bracket, then a radix pass: 2 collectives on alike ranks), the windows' "
+             "effect side by side. "
              "Rerun: `python -m prunopt.bench.run --only distributed [--quick]`.")
     columns = ["n", "op", "contender", "ranks", "time_ms", "vs_one_process", "vs_one_process_1_thread", "vs_adagrad",
                "collectives_per_call", "payload_bytes_per_rank"]

@@ -588,7 +588,8 @@ class _FusedShare:
             return [0, 0, 0, -1], None
         lo, end = got
         keys, (G, X, m) = own.inside, own.more
-        bits = keys.view(D._RADIX[self.dtype].int_dtype)  # (|ge|: no sign bit)
+        spec = D._RADIX[self.dtype]
+        bits = keys.view(spec.int_dtype).bitwise_and((1 << spec.nbits) - 1)  # (as candidates(): -0.0 is 0.0)
         up, down = bits >= end, bits < lo
         inside = ~(up | down)
         c2 = keys.double().square()

@@ -338,6 +338,22 @@ def ranks_case(draw):
     return dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac
 
 
+def _ranks_problem(case):
+    """A :func:`ranks_case`'s scopes, one per rank, which tensors each rank
+    counts (a tensor counted on another rank, a replica, is counted on the
+    first rank only), the merged scope of one process with its flags, and
+    ``T``; ``None`` when nothing is pruned."""
+    dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac = case
+    scopes = _rank_scopes(dtype, sizes, scales, seed, wd=wd, maximize=maximize, unpruned=unpruned, kind=kind)
+    counted = [[not (i == uncounted and r > 0) for i in range(len(s.params))] for r, s in enumerate(scopes)]
+    merged = _merged(scopes)
+    flat = [c for cs in counted for c in cs]
+    n = sum(x.numel() for x, h, c in zip(merged.params, merged.hypers, flat) if h.prune and c)
+    if n == 0:
+        return None
+    return dtype, scopes, counted, merged, flat, min(n, 1 + int(frac * (n - 1)))
+
+
 # (the fixture only sets the sample's size: the same for every input)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ranks_case())
@@ -350,16 +366,10 @@ def test_simulated_ranks_select_exactly(small_sample, case):
     shards), ties, tiny values, weight decay, tensors not pruned or counted on
     another rank: tau bit-identical to one process over the union, the norms
     to the rounding of their float64 sums."""
-    dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac = case
-    scopes = _rank_scopes(dtype, sizes, scales, seed, wd=wd, maximize=maximize, unpruned=unpruned, kind=kind)
-    # a tensor counted on another rank (a replica) is counted on the first rank only
-    counted = [[not (i == uncounted and r > 0) for i in range(len(s.params))] for r, s in enumerate(scopes)]
-    merged = _merged(scopes)
-    flat = [c for cs in counted for c in cs]
-    n = sum(x.numel() for x, h, c in zip(merged.params, merged.hypers, flat) if h.prune and c)
-    if n == 0:
+    problem = _ranks_problem(case)
+    if problem is None:
         return
-    T = min(n, 1 + int(frac * (n - 1)))
+    dtype, scopes, counted, merged, flat, T = problem
     got, _, _ = _simulated_select(scopes, counted, T)
     _assert_exact(got, merged, flat, T, dtype)
 
@@ -436,15 +446,10 @@ def test_threaded_ranks_select_exactly(small_sample, monkeypatch, case):
     (windows, or the slices and radix passes): the same answer on every rank,
     tau bit-identical to one process over the union, the norms to the
     rounding of their float64 sums."""
-    dtype, sizes, scales, kind, wd, maximize, unpruned, uncounted, seed, frac = case
-    scopes = _rank_scopes(dtype, sizes, scales, seed, wd=wd, maximize=maximize, unpruned=unpruned, kind=kind)
-    counted = [[not (i == uncounted and r > 0) for i in range(len(s.params))] for r, s in enumerate(scopes)]
-    merged = _merged(scopes)
-    flat = [c for cs in counted for c in cs]
-    n = sum(x.numel() for x, h, c in zip(merged.params, merged.hypers, flat) if h.prune and c)
-    if n == 0:
+    problem = _ranks_problem(case)
+    if problem is None:
         return
-    T = min(n, 1 + int(frac * (n - 1)))
+    dtype, scopes, counted, merged, flat, T = problem
     with monkeypatch.context() as m:
         out, _ = _threaded_select(scopes, counted, T, m)
     _same_answers(out)

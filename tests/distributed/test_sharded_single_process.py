@@ -161,7 +161,7 @@ def _threshold_data(dtype, sizes, kind, seed):
         elif kind == "tiny":
             v = v * torch.finfo(dtype).tiny * 4  # subnormals and the smallest normals
         elif kind == "huge":
-            v = v * torch.finfo(dtype).max / 8
+            v = v * (torch.finfo(dtype).max / 8)  # (the factor first: v * max overflows)
         elif kind == "one_value":
             v = torch.where(v > 0, 1.5, -1.5).to(torch.float64)
         out.append(v.to(dtype))
@@ -262,17 +262,25 @@ def _simulated_ranks(ranks, k, dtype):
     return owns, lo, hi, sum(a for a, _ in parts), torch.cat([c.reshape(-1) for _, c in parts])
 
 
+def _rank_data(dtype, sizes, kind, scales, seed):
+    """One list per simulated rank: :func:`_threshold_data`'s tensors, rank
+    ``r``'s scaled by ``scales[r]`` (unlike ranks; "huge" values, up to an
+    eighth of the largest float, only scaled down, so they stay finite)."""
+    return [[v * (min(s, 1.0) if kind == "huge" else s)]
+            for v, s in zip(_threshold_data(dtype, sizes, kind, seed), scales)]
+
+
 def _bits(t):
     return t.view(_INT[t.dtype]).item()
 
 
 @st.composite
-def ranks_case(draw):
+def ranks_case(draw, shard_sizes=(0, 1, 3, 100, 700, 3000)):
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    sizes = draw(st.lists(st.sampled_from([0, 1, 3, 100, 700, 3000]), min_size=1, max_size=5))
+    sizes = draw(st.lists(st.sampled_from(shard_sizes), min_size=1, max_size=5))
     kind = draw(st.sampled_from(["randn", "ties", "zeros", "tiny", "huge", "one_value"]))
     # rank r's values scaled by scales[r]: unlike ranks, whose own brackets miss the threshold
-    scales = draw(st.lists(st.sampled_from([1.0, 1.0, 1.0, 0.5, 4.0, 1e-3]), min_size=len(sizes),
+    scales = draw(st.lists(st.sampled_from([1.0, 1.0, 1.0, 0.5, 1.01, 4.0, 1e-3]), min_size=len(sizes),
                            max_size=len(sizes)))
     seed = draw(st.integers(0, 2**31 - 1))
     kpos = draw(st.floats(0.0, 1.0))
@@ -292,7 +300,7 @@ def test_bracket_of_the_slices_holds_the_threshold(case):
     select it bit for bit, whether the ranks' own brackets hold it or not
     (unlike ranks take a second pass)."""
     dtype, sizes, kind, scales, seed, kpos = case
-    ranks = [[v * s] for v, s in zip(_threshold_data(dtype, sizes, kind, seed), scales)]
+    ranks = _rank_data(dtype, sizes, kind, scales, seed)
     n = sum(sizes)
     if n == 0:
         return

@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
 
 import prunopt.distributed as D
 from prunopt.ops import topk_threshold as one_threshold
 
 from tests.distributed._simranks import SimRanks, plan_of
+from tests.distributed.test_sharded_single_process import _rank_data, ranks_case
 
 pytestmark = [
     pytest.mark.skipif(dist.is_available() and dist.is_initialized(),
@@ -50,39 +51,8 @@ def _check(ranks, k):
     return calls[0]
 
 
-def _data(dtype, sizes, kind, scales, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for s, scale in zip(sizes, scales):
-        v = torch.randn(s, generator=g, dtype=torch.float64)
-        if kind == "ties":
-            v = v.mul(2).round()
-        elif kind == "zeros":
-            v = torch.where(v > 0, 0.0, -0.0).to(torch.float64)
-        elif kind == "one_value":
-            v = torch.where(v > 0, 1.5, -1.5).to(torch.float64)
-        elif kind == "tiny":
-            v = v * torch.finfo(dtype).tiny * 4
-        elif kind == "huge":
-            v = v * torch.finfo(dtype).max / 8
-        out.append([(v * scale).to(dtype)])
-    return out
-
-
-@st.composite
-def windows_case(draw):
-    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    sizes = draw(st.lists(st.sampled_from([0, 1, 7, 300, 5000, 20000]), min_size=1, max_size=5))
-    kind = draw(st.sampled_from(["randn", "randn", "ties", "zeros", "one_value", "tiny", "huge"]))
-    scales = draw(st.lists(st.sampled_from([1.0, 1.0, 1.0, 1.01, 4.0, 1e-3]), min_size=len(sizes),
-                           max_size=len(sizes)))
-    seed = draw(st.integers(0, 2**31 - 1))
-    kpos = draw(st.floats(0.0, 1.0))
-    return dtype, sizes, kind, scales, seed, kpos
-
-
 @settings(max_examples=60, deadline=None)
-@given(windows_case())
+@given(ranks_case(shard_sizes=(0, 1, 7, 300, 5000, 20000)))
 @example((torch.float32, [20000, 20000], "randn", [1.0, 1.0], 0, 0.1))
 @example((torch.float32, [20000, 20000], "randn", [1.0, 4.0], 1, 0.1))
 @example((torch.float64, [20000, 0, 7], "ties", [1.0, 1.0, 1.0], 2, 0.5))
@@ -92,7 +62,7 @@ def test_bit_identical_to_one_process(case):
     """Any data, 1 to 5 ranks (alike, unlike, empty, all ties): the
     threshold is the one-process op's, bit for bit, whichever path gives it."""
     dtype, sizes, kind, scales, seed, kpos = case
-    ranks = _data(dtype, sizes, kind, scales, seed)
+    ranks = _rank_data(dtype, sizes, kind, scales, seed)
     n = sum(sizes)
     if n == 0:
         return
@@ -145,7 +115,7 @@ def test_a_window_counts_exactly_inside_its_range(kind):
     the rank has exactly ``a + #{window >= t}`` values ``|v| >= t``, and the
     window's values are this rank's values in that range."""
     dtype = torch.float32
-    x = _data(dtype, [50_000], kind, [1.0], 3)[0][0]
+    x = _rank_data(dtype, [50_000], kind, [1.0], 3)[0][0]
     keys = [x]
     slots = D._window_slots(2)
     own = D._OwnSlice(keys, 20_000, 2, D._rank_buckets(2), dtype,
