@@ -739,20 +739,15 @@ _WINDOW_AREA = 8192
 _WINDOW_HEAD = 4
 
 
-def _first_round(own: "_OwnSlice", k: int, plan: _Plan) -> Tuple[int, List["_Slice"]]:
+def _first_collective(own: "_OwnSlice", k: int, plan: _Plan, window=None) -> Tuple[int, Tensor]:
     """The first collective of a bracketed select (:func:`_bracket_select`,
     prunAdag's fused select): this rank's slice in its place of the area
-    (every rank writes only its own), ``n_r`` and the agreement fields; returns
-    the global ``n`` and every rank's :class:`_Slice`, after checking that
-    ``k`` and the dtype agree (``ValueError`` on every rank alike)."""
-    n, vec = _first_collective(own, k, plan)
-    return n, _slices(vec, plan.world, _rank_buckets(plan.world))
-
-
-def _first_collective(own: "_OwnSlice", k: int, plan: _Plan, window=None) -> Tuple[int, Tensor]:
-    """:func:`_first_round`'s collective, with this rank's window (``(head,
-    bits)`` of :meth:`_OwnSlice.window`) in its place of the windows' area
-    when given; returns the global ``n`` and the summed vector."""
+    (every rank writes only its own), its window (``(head, bits)`` of
+    :meth:`_OwnSlice.window`, or prunAdag's) in its place of the windows'
+    area when given, ``n_r`` and the agreement fields. Returns the global
+    ``n`` and the summed vector (every rank's slice: :func:`_slices`), after
+    checking that ``k`` and the dtype agree (``ValueError`` on every rank
+    alike)."""
     world = plan.world
     buckets, area = _rank_buckets(world), _area(world)
     vec = torch.zeros(_first_size(world), dtype=torch.int64)
