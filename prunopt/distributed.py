@@ -1028,29 +1028,43 @@ def _any_bad(vec: Tensor, world: int) -> bool:
     return bool(vec[:world * width].view(world, width)[:, _SLICE_HEAD - 1].any())
 
 
-def _window_tau(vec: Tensor, world: int, k: int, dtype: torch.dtype) -> Optional[int]:
-    """The bit pattern of the ``k``-th largest ``|v|`` from every rank's
-    window (the summed first collective ``vec``), or ``None`` when the windows
-    do not show it (the same on every rank). With ``A`` the sum of the counts
-    above the windows and ``P`` the pool of all windows' values, every ``t``
-    inside all windows (``max lo <= t < min end``) has exactly ``A + #{P >=
-    t}`` values ``>= t`` over all ranks, so the ``(k - A)``-th largest of
-    ``P``, when it lies inside all windows, is the threshold."""
+def _windows_of(vec: Tensor, world: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """Every rank's window head ``[a, lo, end, m]`` and value slots (rows of
+    int64, a view of the summed first collective ``vec``), or ``None`` when
+    some rank's window did not fit (``m = -1``)."""
     slots = _window_slots(world)
     at = _slice_area(world)
     rows = vec[at:at + world * (_WINDOW_HEAD + slots)].view(world, _WINDOW_HEAD + slots).numpy()
     heads = rows[:, :_WINDOW_HEAD]
-    if (heads[:, 3] < 0).any():
-        return None
+    return None if (heads[:, 3] < 0).any() else (heads, rows[:, _WINDOW_HEAD:])
+
+
+def _pooled_kth(pool: np.ndarray, heads: np.ndarray, k: int) -> Optional[int]:
+    """The threshold's bit pattern from the pooled windows' bit patterns
+    ``pool``: with ``A`` the sum of the counts above the windows, every ``t``
+    inside all windows (``max lo <= t < min end``) has exactly ``A + #{pool
+    >= t}`` values ``>= t`` over all ranks, so the ``(k - A)``-th largest of
+    the pool, when it lies inside all windows, is the ``k``-th largest;
+    ``None`` otherwise (the same on every rank)."""
     rest = k - int(heads[:, 0].sum())
-    vals = rows[:, _WINDOW_HEAD:]
-    if dtype == torch.float32:
-        vals = vals.view(np.int32)
-    pool = np.concatenate([vals[r, :int(m)] for r, m in enumerate(heads[:, 3])])
     if not 1 <= rest <= pool.size:
         return None
     t = int(np.partition(pool, pool.size - rest)[pool.size - rest])
     return t if int(heads[:, 1].max()) <= t < int(heads[:, 2].min()) else None
+
+
+def _window_tau(vec: Tensor, world: int, k: int, dtype: torch.dtype) -> Optional[int]:
+    """The bit pattern of the ``k``-th largest ``|v|`` from every rank's
+    window of values (:meth:`_OwnSlice.window`) in the summed first
+    collective ``vec``, or ``None`` when the windows do not show it
+    (:func:`_pooled_kth`)."""
+    got = _windows_of(vec, world)
+    if got is None:
+        return None
+    heads, vals = got
+    if dtype == torch.float32:
+        vals = vals.view(np.int32)
+    return _pooled_kth(np.concatenate([vals[r, :int(m)] for r, m in enumerate(heads[:, 3])]), heads, k)
 
 
 def _slices(area: Tensor, world: int, buckets: int) -> List[_Slice]:

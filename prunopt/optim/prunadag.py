@@ -633,7 +633,7 @@ def _window_select(vec: Tensor, world: int, T: int, dtype: torch.dtype):
     """``(tau, g_r2, x_m2)`` from every rank's :meth:`_FusedShare.window`
     in the summed first collective ``vec``, or ``None`` when the windows do
     not show ``tau`` (the same on every rank): ``tau`` as in
-    :func:`prunopt.distributed._window_tau`, then ``||g||_R^2`` the ranks'
+    :func:`prunopt.distributed._pooled_kth`, then ``||g||_R^2`` the ranks'
     ``G_w`` and the pooled ``c^2`` of ``c >= tau``, ``||x||_M^2`` the ranks'
     ``X_w`` and the pooled ``m`` of ``c < tau`` (float64 sums in one order on
     every rank)."""
@@ -641,20 +641,15 @@ def _window_select(vec: Tensor, world: int, T: int, dtype: torch.dtype):
 
     from prunopt import distributed as D
 
-    slots, head = D._window_slots(world), D._WINDOW_HEAD
-    at = D._slice_area(world)
-    rows = vec[at:at + world * (head + slots)].view(world, head + slots).numpy()
-    heads = rows[:, :head]
-    if (heads[:, 3] < 0).any():
+    got = D._windows_of(vec, world)
+    if got is None:
         return None
-    rest = T - int(heads[:, 0].sum())
-    sums = rows[:, head:head + 2].view(np.float64)
-    c = np.concatenate([rows[r, head + 2:head + 2 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])])
-    mm = np.concatenate([rows[r, head + 3:head + 3 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])]).view(np.float64)
-    if not 1 <= rest <= c.size:
-        return None
-    t = int(np.partition(c, c.size - rest)[c.size - rest])
-    if not int(heads[:, 1].max()) <= t < int(heads[:, 2].min()):
+    heads, rows = got  # (per rank: the two sums, then (c, m) pairs)
+    sums = rows[:, :2].view(np.float64)
+    c = np.concatenate([rows[r, 2:2 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])])
+    mm = np.concatenate([rows[r, 3:3 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])]).view(np.float64)
+    t = D._pooled_kth(c, heads, T)
+    if t is None:
         return None
     cv = c.astype(np.int32).view(np.float32).astype(np.float64) if dtype == torch.float32 else c.view(np.float64)
     ge = c >= t
