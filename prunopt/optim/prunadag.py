@@ -22,6 +22,7 @@ import math
 import numbers
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -570,35 +571,55 @@ class _FusedShare:
         of :meth:`prunopt.distributed._OwnSlice.window`, read back by
         :func:`_window_select`): the candidates of whole grid buckets
         ``[lo, end)`` around this rank's share, each with its sign-matched
-        ``x^2`` ``m``, as many as fit in ``slots`` (two slots each, after two
-        for the sums). Returns ``(head, slots)``: ``head = [a, lo, end, count]``
-        (``count = -1`` when they do not fit) and int64 slots holding the bit
-        patterns of ``G_w = G + sum_{c >= end} c^2`` and ``X_w = X +
-        sum_{c < lo} m`` (float64), then each candidate's bit pattern and its
-        ``m``'s. For any ``t`` in ``[lo, end)`` this rank's ``||g||^2`` over
-        ``|ge| >= t`` is ``G_w + sum_{window c >= t} c^2`` and its ``x^2``
-        over ``|ge| < t`` is ``X_w + sum_{window c < t} m``."""
+        ``x^2`` ``m``, as many as fit in ``slots`` after two for the sums
+        (float32: one slot each, float64: two). Returns ``(head, slots)``:
+        ``head = [a, lo, end, count]`` (``count = -1`` when they do not fit)
+        and int64 slots holding the bit patterns of ``G_w = G + sum_{c >=
+        end} c^2`` and ``X_w = X + sum_{c < lo} m`` (float64), then the
+        candidates: float32, each slot a candidate's bit pattern in its low
+        32 bits and ``sqrt(m)``'s (``|x|`` or 0, exact: the square of a
+        float32 is exact in float64) in its high 32; float64, a candidate's
+        bit pattern, then ``m``'s. For any ``t`` in ``[lo, end)`` this rank's
+        ``||g||^2`` over ``|ge| >= t`` is ``G_w + sum_{window c >= t} c^2``
+        and its ``x^2`` over ``|ge| < t`` is ``X_w + sum_{window c < t} m``."""
         from prunopt import distributed as D
 
         own = self.own
         if not own.n_r:  # (no pruned values here: no sums either)
             return [0, 0, D._max_finite_bits(self.dtype) + 1, 0], torch.zeros(2, dtype=torch.int64)
-        got = own.window_range(share, (slots - 2) // 2)
+        packed = self.dtype == torch.float32
+        got = own.window_range(share, slots - 2 if packed else (slots - 2) // 2)
         if got is None:
             return [0, 0, 0, -1], None
         lo, end = got
-        keys, (G, X, m) = own.inside, own.more
+        n_up, g_up, x_down, bits, m, inside = self._split(lo, end)
+        cb, cm = bits[inside], m[inside]
+        out = np.empty(2 + (1 if packed else 2) * cb.size, dtype=np.int64)
+        out[:2] = np.array([own.more[0] + g_up, own.more[1] + x_down], dtype=np.float64).view(np.int64)
+        if packed:
+            out[2:] = (np.sqrt(cm).astype(np.float32).view(np.int32).astype(np.int64) << 32) | cb
+        else:
+            out[2::2] = cb
+            out[3::2] = cm.view(np.int64)
+        return own.window_head(own.above + n_up, lo, end, cb.size), torch.from_numpy(out)
+
+    def _split(self, lo: int, end: int):
+        """Round 1's candidates split at the bit patterns ``lo`` and ``end``:
+        ``(n_up, g_up, x_down, bits, m, inside)``, the count and the summed
+        ``c^2`` of the candidates ``>= end``, the summed ``m`` of those
+        ``< lo`` (float64, numpy's pairwise sums: one order on every run),
+        the candidates' bit patterns (of ``|ge|``: ``-0.0`` is ``0.0``) and
+        ``m`` as numpy arrays, and the mask of those in ``[lo, end)``."""
+        from prunopt import distributed as D
+
+        keys, m = self.own.inside.numpy(), self.own.more[2].numpy()
         spec = D._RADIX[self.dtype]
-        bits = keys.view(spec.int_dtype).bitwise_and((1 << spec.nbits) - 1)  # (as candidates(): -0.0 is 0.0)
+        bits = keys.view(np.int32 if self.dtype == torch.float32 else np.int64) & ((1 << spec.nbits) - 1)
         up, down = bits >= end, bits < lo
-        inside = ~(up | down)
-        c2 = keys.double().square()
-        cb = bits[inside]
-        out = torch.empty(2 + 2 * cb.numel(), dtype=torch.int64)
-        out[:2] = torch.tensor([G + float(c2[up].sum()), X + float(m[down].sum())], dtype=torch.float64).view(torch.int64)
-        out[2::2] = cb
-        out[3::2] = m[inside].double().view(torch.int64)
-        return own.window_head(own.above + int(up.sum()), lo, end, cb.numel()), out
+        c = keys.astype(np.float64)
+        g_up = float(np.where(up, c * c, 0.0).sum())
+        x_down = float(np.where(down, m, 0.0).sum())
+        return int(np.count_nonzero(up)), g_up, x_down, bits, m, ~(up | down)
 
     def candidates(self, lo_bits: int, hi_bits: int):
         """Round 2 for ``[L, H]`` (bit patterns): ``(cands, above, (c2, m),
@@ -616,14 +637,11 @@ class _FusedShare:
             none = torch.zeros(0, dtype=torch.float64)
             return own.inside, 0, (none, none), (0.0, 0.0)
         if own.covers(lo_bits, hi_bits):
-            keys, (G, X, m) = own.inside, own.more
-            spec = D._RADIX[dtype]
-            bits = keys.view(spec.int_dtype).bitwise_and((1 << spec.nbits) - 1)
-            up, down = bits > hi_bits, bits < lo_bits
-            inside = ~(up | down)
+            n_up, g_up, x_down, _, m, inside = self._split(lo_bits, hi_bits + 1)
+            keys = own.inside[torch.from_numpy(inside)]
+            G, X = own.more[0], own.more[1]
             c2 = keys.double().square()
-            extra = (G + float(c2[up].sum()), X + float(m[down].sum()))
-            return keys[inside], own.above + int(up.sum()), (c2[inside], m[inside]), extra
+            return keys, own.above + n_up, (c2, torch.from_numpy(m[inside])), (G + g_up, X + x_down)
         self.reread = True  # (round 1 found every effective gradient here finite: no ValueError)
         a, keys, G, X, m = self._scan(D._bits_value(lo_bits, dtype), D._bits_value(hi_bits, dtype))
         return keys, a, (keys.double().square(), m), (G, X)
@@ -637,17 +655,20 @@ def _window_select(vec: Tensor, world: int, T: int, dtype: torch.dtype):
     ``G_w`` and the pooled ``c^2`` of ``c >= tau``, ``||x||_M^2`` the ranks'
     ``X_w`` and the pooled ``m`` of ``c < tau`` (float64 sums in one order on
     every rank)."""
-    import numpy as np
-
     from prunopt import distributed as D
 
     got = D._windows_of(vec, world)
     if got is None:
         return None
-    heads, rows = got  # (per rank: the two sums, then (c, m) pairs)
+    heads, rows = got  # (per rank: the two sums, then the candidates: see _FusedShare.window)
     sums = rows[:, :2].view(np.float64)
-    c = np.concatenate([rows[r, 2:2 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])])
-    mm = np.concatenate([rows[r, 3:3 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])]).view(np.float64)
+    if dtype == torch.float32:  # (c's bits low, sqrt(m)'s high)
+        slots = np.concatenate([rows[r, 2:2 + int(m)] for r, m in enumerate(heads[:, 3])])
+        c = slots & 0xFFFFFFFF
+        mm = np.square((slots >> 32).astype(np.int32).view(np.float32).astype(np.float64))
+    else:
+        c = np.concatenate([rows[r, 2:2 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])])
+        mm = np.concatenate([rows[r, 3:3 + 2 * int(m):2] for r, m in enumerate(heads[:, 3])]).view(np.float64)
     t = D._pooled_kth(c, heads, T)
     if t is None:
         return None

@@ -454,3 +454,49 @@ def test_threaded_ranks_select_exactly(small_sample, monkeypatch, case):
         out, _ = _threaded_select(scopes, counted, T, m)
     _same_answers(out)
     _assert_exact(out[0], merged, flat, T, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_window_carries_every_candidate_and_its_m_exactly(dtype):
+    """A rank's window holds the candidates of [lo, end) with their
+    sign-matched x^2 bit for bit (float32 packs a candidate and sqrt(m),
+    exact, in one slot: twice the candidates of float64's two slots), x
+    ranging over zeros, subnormals, huge values and both signs; the sums
+    outside it complete the norms."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(41)
+    n = 200_000
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    tiny = torch.finfo(dtype).tiny
+    x[::7] = 0.0
+    x[1::11] = tiny / 8  # subnormal
+    x[2::13] = torch.finfo(dtype).max / 4
+    x[3::17] = -x[3::17]
+    s = _Scope()
+    s.params, s.grads = [x.to(dtype)], [torch.randn(n, generator=g, dtype=torch.float64).to(dtype)]
+    s.steps, s.hypers = [torch.tensor(0.0)], [TensorHyper(lr=0.1)]
+    share = _FusedShare(s, [True], 20_000, 2)  # (as one of two ranks: their window size)
+    slots = D._window_slots(2)
+    head, out = share.window(10_000, slots)
+    a, lo, end, count = head
+    keys, (G, X, m) = share.own.inside, share.own.more
+    int_dtype = _INT[dtype]
+    bits = keys.view(int_dtype) & ((1 << D._RADIX[dtype].nbits) - 1)
+    inside = (bits >= lo) & (bits < end)
+    assert count == int(inside.sum()) > 0
+    o = out.numpy()
+    if dtype == torch.float32:
+        assert (slots - 2) // 2 < count <= slots - 2  # more than float64's two slots each would hold
+        c = torch.from_numpy(o[2:] & 0xFFFFFFFF).to(torch.int32)
+        got_m = torch.from_numpy(np.square((o[2:] >> 32).astype(np.int32).view(np.float32).astype(np.float64)))
+        assert bool(((got_m > 0) & (got_m < tiny * tiny)).any())  # a subnormal x's square came through
+    else:
+        assert count <= (slots - 2) // 2
+        c, got_m = torch.from_numpy(o[2::2].copy()), torch.from_numpy(o[3::2].copy().view(np.float64))
+    assert torch.equal(c, bits[inside]) and torch.equal(got_m, m[inside])
+    G_w, X_w = o[:2].view(np.float64)
+    c2 = keys.double().square()
+    assert a == share.own.above + int((bits >= end).sum())
+    assert G_w == pytest.approx(G + float(c2[bits >= end].sum()), rel=1e-12)
+    assert X_w == pytest.approx(X + float(m[bits < lo].sum()), rel=1e-12)
