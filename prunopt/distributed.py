@@ -244,76 +244,150 @@ def _plan(tensors: List[Tensor], group, name: str) -> _Plan:
     return _Plan(locals_, counted, [mesh.get_group(d) for d in dims], world)
 
 
-# How long a rank polls a small CPU collective for completion before it blocks
-# (seconds); see set_poll_time.
-def _poll_time_from_env() -> float:
+# How a rank waits for its CPU collectives: a poll time in seconds (0: block at
+# once), or "auto" (_WaitChooser); see set_poll_time.
+_AUTO = "auto"
+# The poll time "auto" tries against blocking at once.
+_AUTO_POLL_S = 0.005
+
+
+def _poll_time_from_env() -> Union[float, str]:
     raw = os.environ.get("PRUNOPT_DIST_POLL_US")
-    if raw is None:
-        return 0.0
+    if raw is None or raw.strip().lower() == _AUTO:
+        return _AUTO
     try:
         us = float(raw)
     except ValueError:
         us = math.nan
     if not (math.isfinite(us) and us >= 0):
-        raise ValueError(f"PRUNOPT_DIST_POLL_US must be a non-negative number of microseconds, got {raw!r}")
+        raise ValueError(f"PRUNOPT_DIST_POLL_US must be 'auto' or a non-negative number of microseconds, got {raw!r}")
     return us / 1e6
 
 
+class _WaitChooser:
+    """The ``"auto"`` wait of :func:`set_poll_time`: for each kind of CPU
+    collective (its payload size, to the power of two), whether to block at
+    once or to poll for up to ``poll_s`` first, from the measured time of
+    each (issue to completion). Until each way has ``warmup`` times, and
+    then on a ``1 / explore`` share of the calls, the way is drawn at random
+    (so that no call of a step always takes one way); otherwise the way whose
+    median over its last ``window`` times is smaller. Only the waiting
+    changes, never what the collective computes, so every rank chooses for
+    itself (the draws come from a private generator: the user's random
+    streams are untouched)."""
+
+    def __init__(self, poll_s: float = _AUTO_POLL_S, window: int = 31, warmup: int = 5, explore: int = 16,
+                 seed: int = 0):
+        import random
+        import threading
+
+        self.poll_s, self.window, self.warmup, self.explore = poll_s, window, warmup, explore
+        self._times: dict = {}
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _ways(self, kind: int):
+        got = self._times.get(kind)
+        if got is None:
+            import collections
+
+            got = self._times[kind] = (collections.deque(maxlen=self.window), collections.deque(maxlen=self.window))
+        return got
+
+    def poll_time(self, kind: int) -> float:
+        """The poll time for the next collective of ``kind``: 0 or ``poll_s``."""
+        import statistics
+
+        with self._lock:
+            blocked, polled = self._ways(kind)
+            if min(len(blocked), len(polled)) < self.warmup or self._rng.randrange(self.explore) == 0:
+                return self.poll_s if self._rng.randrange(2) else 0.0
+            return self.poll_s if statistics.median(polled) <= statistics.median(blocked) else 0.0
+
+    def record(self, kind: int, poll_s: float, seconds: float) -> None:
+        """Records that a collective of ``kind`` waited this way (``poll_s``,
+        0 or not) and took ``seconds`` from its issue to its completion."""
+        with self._lock:
+            self._ways(kind)[1 if poll_s > 0 else 0].append(seconds)
+
+
 _POLL_S = _poll_time_from_env()
+_CHOOSER = _WaitChooser()
 
 
-def set_poll_time(seconds: float) -> float:
-    """Sets how long a rank *polls* each of this module's collectives on CPU
-    tensors (gloo) for completion before it blocks in ``Work.wait()``, and
-    returns the previous value. Default ``0`` (block at once, as
-    :mod:`torch.distributed` does), or ``PRUNOPT_DIST_POLL_US``
-    (microseconds) from the environment.
+def set_poll_time(seconds) -> Union[float, str]:
+    """Sets how a rank waits for each of this module's collectives on CPU
+    tensors (gloo), and returns the previous setting: ``"auto"`` (the
+    default, or ``PRUNOPT_DIST_POLL_US=auto``) measures and chooses, a number
+    of seconds *polls* each collective for completion for up to that long
+    before it blocks in ``Work.wait()`` (``0``: block at once, as
+    :mod:`torch.distributed` does; ``PRUNOPT_DIST_POLL_US`` in
+    microseconds).
 
     The collectives here carry a few KB of histograms and sums, so their time
     is latency, and a blocked waiter's latency includes its wake-up: on a
     virtual machine an idle vCPU is descheduled, and waking it can cost
-    milliseconds. Polling keeps the waiting core busy for at most this long per
-    call (yielding it to any runnable thread), after which the call blocks as
-    usual. Whether that pays depends on the host and on the work between the
-    collectives: on a 2-vCPU VM with 2 gloo ranks of one thread, a 5 ms poll
-    made the sharded threshold of 10M float32 values faster (7.9 and 11.0 ms
-    against 11.7 and 20.3 ms blocking) but that of 1M slower (15.4 and 27.9 ms
-    against 7.7 and 18.8 ms), where both ranks reach each collective almost
-    together and their polling competes with gloo's own threads for the two
-    cores. Measure before setting it (``prunopt bench --only distributed``
-    times both). CUDA tensors (NCCL) are never polled: their collectives are
-    asynchronous on a stream already.
+    milliseconds. Polling keeps the waiting core busy for at most the poll
+    time per call (yielding it to any runnable thread), after which the call
+    blocks as usual. Whether that pays depends on the host and on the work
+    between the collectives: on one 2-vCPU VM with 2 gloo ranks of one thread
+    a 5 ms poll made the sharded threshold of 10M float32 values faster and
+    that of 1M slower (both ranks then reach each collective almost together
+    and their polling competes with gloo's own threads for the two cores); on
+    another it made every size faster, and the time from the last rank's
+    arrival to the end of an FSDP2 PrunAdag step's collective went from 1.8-4.9
+    ms blocked to 0.5-0.8 ms polled. So by default each process measures:
+    ``"auto"`` times its collectives both ways, per payload size, and waits
+    the way whose recent median is smaller (blocking, or polling up to 5 ms),
+    still trying the other on one call in 16 to follow the host. Every way
+    computes the same result; only the waiting differs. CUDA tensors (NCCL)
+    are never polled: their collectives are asynchronous on a stream already.
 
     Args:
-        seconds: the poll time per collective, finite and ``>= 0``.
+        seconds: ``"auto"``, or the poll time per collective, finite and
+            ``>= 0``.
 
     Returns:
-        The previous poll time, in seconds.
+        The previous setting: ``"auto"`` or a poll time in seconds.
 
     Raises:
-        TypeError: ``seconds`` not a real number.
+        TypeError: ``seconds`` neither ``"auto"`` nor a real number.
         ValueError: ``seconds`` negative or not finite."""
+    global _POLL_S
+    if isinstance(seconds, str) and seconds == _AUTO:
+        previous, _POLL_S = _POLL_S, _AUTO
+        return previous
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
-        raise TypeError(f"seconds must be a real number, got {type(seconds).__name__}")
+        raise TypeError(f"seconds must be 'auto' or a real number, got {type(seconds).__name__}")
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
-    global _POLL_S
     previous, _POLL_S = _POLL_S, float(seconds)
     return previous
 
 
 def _reduce(vec: Tensor, op, group) -> None:
     """``dist.all_reduce(vec, op, group)``, polled for completion for up to
-    :func:`set_poll_time`'s time when ``vec`` is on the CPU."""
-    if _POLL_S <= 0 or vec.device.type != "cpu":
+    :func:`set_poll_time`'s time when ``vec`` is on the CPU (``"auto"``:
+    the time :class:`_WaitChooser` chooses, which then records how long the
+    call took)."""
+    if vec.device.type != "cpu":
         dist.all_reduce(vec, op=op, group=group)
         return
-    work = dist.all_reduce(vec, op=op, group=group, async_op=True)
-    if not work.is_completed():
-        end = time.perf_counter() + _POLL_S
-        while not work.is_completed() and time.perf_counter() < end:
-            os.sched_yield()  # busy, but any runnable thread here goes first
-    work.wait()  # raises what the collective raised (a timeout, a closed peer)
+    auto = isinstance(_POLL_S, str)
+    kind = (vec.numel() * vec.element_size()).bit_length()
+    poll = _CHOOSER.poll_time(kind) if auto else _POLL_S
+    start = time.perf_counter()
+    if poll <= 0:
+        dist.all_reduce(vec, op=op, group=group)
+    else:
+        work = dist.all_reduce(vec, op=op, group=group, async_op=True)
+        if not work.is_completed():
+            end = start + poll
+            while not work.is_completed() and time.perf_counter() < end:
+                os.sched_yield()  # busy, but any runnable thread here goes first
+        work.wait()  # raises what the collective raised (a timeout, a closed peer)
+    if auto:
+        _CHOOSER.record(kind, poll, time.perf_counter() - start)
 
 
 def _all_reduce(vec: Tensor, groups: List) -> Tensor:

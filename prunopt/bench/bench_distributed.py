@@ -7,7 +7,11 @@ float32, ``N`` elements in all, split evenly over 2 gloo ranks spawned here
 (``127.0.0.1``), ``threads // 2`` threads per rank (at least 1). Per ``N``:
 
 * ``sharded``: ``prunopt.distributed.topk_threshold(shard, k = N/10)`` and
-  ``project_budget(shard, S = 0.1 N)`` (scores uniform in [0, 1.2));
+  ``project_budget(shard, S = 0.1 N)`` (scores uniform in [0, 1.2)), their
+  collectives waited for the default way (``set_poll_time("auto")``); beside
+  the threshold (and the FSDP2 step) the same calls with the waits fixed
+  (``polled waits``: up to 5 ms of polling, ``blocking waits``: blocked at
+  once) and without the selects' windows;
 * ``all_gather``: ``all_gather_single`` of the shards, then
   ``torch.kthvalue`` of ``|v|`` (a global top-k that gathers the values, as a
   global magnitude sparsifier does) or the one-process projection of the
@@ -93,7 +97,7 @@ class _Counter:
             setattr(dist, name, orig)
 
 
-def _lockstep_medians(fns: Dict[tuple, object], reps: int) -> Dict[tuple, float]:
+def _lockstep_medians(fns: Dict[tuple, object], reps: int, learn: int = 0) -> Dict[tuple, float]:
     """Median seconds of ``reps`` calls of each contender, made in
     ``reps // 5`` rounds (at least one) that take the contenders in turn (each
     round a burst of about 5 consecutive calls of each contender, in one order
@@ -104,11 +108,13 @@ def _lockstep_medians(fns: Dict[tuple, object], reps: int) -> Dict[tuple, float]
     faults for 200 MB: with bursts of 5 the median leaves it out; 5 calls or
     fewer are one burst each, one contender after the other). Every rank makes the same calls (the collectives inside
     keep them in lockstep; an adaptive count such as ``blocked_autorange``
-    could differ between ranks and hang)."""
+    could differ between ranks and hang). The warm-up is one call of each
+    contender, ``1 + learn`` of those whose waits learn (:func:`_learns`)."""
     per: Dict[tuple, List[float]] = {key: [] for key in fns}
     rounds = max(1, reps // 5)
-    for fn in fns.values():  # warm-up
-        fn()
+    for key, fn in fns.items():  # warm-up
+        for _ in range(1 + (learn if _learns(key) else 0)):
+            fn()
     for r in range(rounds):
         count = reps // rounds + (1 if r < reps % rounds else 0)
         for key, fn in fns.items():
@@ -117,6 +123,22 @@ def _lockstep_medians(fns: Dict[tuple, object], reps: int) -> Dict[tuple, float]
                 fn()
                 per[key].append(time.perf_counter() - t0)
     return {key: statistics.median(ts) for key, ts in per.items()}
+
+
+def _learns(key: tuple) -> bool:
+    """Whether a contender's collectives wait the default way, which learns
+    (``set_poll_time("auto")`` times both ways over its first calls, as in a
+    training run's first steps): it is warmed up ``learn`` calls more."""
+    name = key[1]
+    return ("sharded" in name or "PrunAdag" in name) and not name.endswith(("polled waits", "blocking waits"))
+
+
+def _learn_calls() -> int:
+    """Warm-up calls of the contenders that learn how to wait (beyond the one
+    every contender makes): twice the chooser's warm-up of each way, and some."""
+    import prunopt.distributed as D
+
+    return 2 * D._CHOOSER.warmup + 6
 
 
 def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, out_dir: str) -> None:
@@ -147,6 +169,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
         contenders = {
             ("threshold", "sharded"): lambda: D.topk_threshold(grad, k),
             ("threshold", "sharded, polled waits"): _polled(lambda: D.topk_threshold(grad, k)),
+            ("threshold", "sharded, blocking waits"): _polled(lambda: D.topk_threshold(grad, k), 0.0),
             ("threshold", "sharded without windows"): _without_windows(lambda: D.topk_threshold(grad, k)),
             ("threshold", "all_gather + kthvalue"):
                 lambda: torch.kthvalue(gathered(grad).abs_(), m * world - k + 1).values,
@@ -165,7 +188,8 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
                 outs[key] = fn()
             results[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
         thr = outs[("threshold", "sharded")]
-        for key in (("threshold", "sharded, polled waits"), ("threshold", "sharded without windows"),
+        for key in (("threshold", "sharded, polled waits"), ("threshold", "sharded, blocking waits"),
+                    ("threshold", "sharded without windows"),
                     ("threshold", "all_gather + kthvalue"),
                     ("threshold", "dense all_reduce + topk_threshold")):
             if not torch.equal(thr.view(torch.int32), outs[key].view(torch.int32)):
@@ -178,7 +202,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
         results["threshold_value"] = thr.item()
         results["projection_sum"] = float(proj.double().sum())
         del outs, proj
-        times = _lockstep_medians(contenders, reps)
+        times = _lockstep_medians(contenders, reps, _learn_calls())
         for key, secs in times.items():
             results[key]["seconds"] = secs
         del grad, score, contenders
@@ -189,9 +213,10 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
 
 
 def _polled(fn, seconds: float = 0.005):
-    """``fn`` run with prunopt.distributed's completion polling on (each
-    collective polled for up to ``seconds`` before it blocks; the default
-    blocks at once): the polling's effect, measured side by side."""
+    """``fn`` run with prunopt.distributed's waits fixed (each collective
+    polled for up to ``seconds`` before it blocks; 0: blocked at once), where
+    the default ("auto") measures and chooses: each way, measured side by
+    side."""
     import prunopt.distributed as D
 
     def call():
@@ -274,6 +299,7 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
     contenders = {
         ("fsdp2 step", "PrunAdag (fused, V3, 10 %)"): prunadag,
         ("fsdp2 step", "PrunAdag (fused, V3, 10 %), polled waits"): prunadag,
+        ("fsdp2 step", "PrunAdag (fused, V3, 10 %), blocking waits"): prunadag,
         ("fsdp2 step", "PrunAdag (fused, V3, 10 %), without windows"): prunadag,
         # torch's fused Adagrad has no DTensor sharding rule: foreach and the for-loop are what runs under FSDP2
         ("fsdp2 step", "torch Adagrad (foreach)"): lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01, foreach=True),
@@ -285,13 +311,14 @@ def _fsdp_steps(rank: int, world: int, n: int, threads: int, reps: int) -> dict:
         model = sharded()
         opt = make(model)
         opt.step()  # state created, kernels warm
-        wrap = {"polled waits": _polled, "without windows": _without_windows}.get(key[1].rpartition(", ")[2])
+        wrap = {"polled waits": _polled, "blocking waits": lambda f: _polled(f, 0.0),
+                "without windows": _without_windows}.get(key[1].rpartition(", ")[2])
         step = wrap(opt.step) if wrap else opt.step
         with _Counter() as cnt:
             step()
         steps[key] = step
         out[key] = {"calls": cnt.calls, "bytes": cnt.bytes}
-    for key, secs in _lockstep_medians(steps, reps).items():
+    for key, secs in _lockstep_medians(steps, reps, _learn_calls()).items():
         out[key]["seconds"] = secs
     return out
 
@@ -434,9 +461,11 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "against the faster of torch's Adagrad foreach and for-loop steps on the same sharded model (torch's "
              "fused Adagrad has no "
              "DTensor support) (vs_adagrad; target <= 1.3), verified first against the "
-             "one-process PrunAdag step on the gathered parameters. 'polled waits': the same calls with "
-             "prunopt.distributed.set_poll_time(0.005) (each collective polled for completion for up to 5 ms "
-             "before it blocks; the default blocks at once). 'without windows': the same calls with the selects' "
+             "one-process PrunAdag step on the gathered parameters. The plain sharded rows wait the default way "
+             "(set_poll_time('auto'): each rank times its collectives blocked and polled and takes the faster); "
+             "'polled waits': the same calls with prunopt.distributed.set_poll_time(0.005) (each collective "
+             "polled for completion for up to 5 ms before it blocks), 'blocking waits' with set_poll_time(0) "
+             "(blocked at once, as torch.distributed waits). 'without windows': the same calls with the selects' "
              "windows off (the slices' bracket, then a radix pass: 2 collectives on alike ranks), the windows' "
              "effect side by side. "
              "Rerun: `python -m prunopt.bench.run --only distributed [--quick]`.")

@@ -131,7 +131,11 @@ def _check_steps(steps: List[Tensor], name: str = "state_steps") -> None:
     if not steps:
         return
     devs = {st.device for st in steps}
-    if len(devs) == 1:
+    if devs == {torch.device("cpu")} and len({st.dtype for st in steps}) == 1:
+        # (on the CPU a read is free: one stack and one list, no per-counter ops)
+        ks = torch.stack([st.detach().reshape(()) for st in steps]).tolist()
+        ok = all(math.isfinite(v) and v >= 0 for v in ks)
+    elif len(devs) == 1:
         k = torch.stack([st.detach().reshape(()).to(torch.float64) for st in steps])
         ok = bool((torch.isfinite(k) & (k >= 0)).all())
     else:
@@ -538,14 +542,18 @@ class _FusedShare:
         grads = [loc.grads[i].detach().reshape(-1) for i in pruned]
         n_r = sum(g.numel() for g in grads)
 
-        # (with windows, the bracket holds at least half a window either side of the share)
-        spread = (D._window_slots(world) - 2) // 4 if D._window_area(world) else 0
+        # (with windows, the bracket holds at least half a window either side of the
+        # share: float32 packs one candidate per slot, float64 takes two)
+        per_slot = 1 if self.dtype == torch.float32 else 2
+        spread = (D._window_slots(world) - 2) // per_slot // 2 if D._window_area(world) else 0
 
         def bracket(share: int):
             # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
-            gs = D._sample_parts(grads, n_r)
             wd = [i for i in pruned if rows[i][2] != 0.0]
-            xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r) if wd else gs
+            if not wd:  # (ge = +-g: |g| written once)
+                return D._bracket_of_sample(D._sample(grads, n_r), share, n_r, spread)
+            gs = D._sample_parts(grads, n_r)
+            xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r)
             parts = [(-g if rows[i][4] else g) + x * rows[i][2] if rows[i][2] != 0.0 else g
                      for i, g, x in zip(pruned, gs, xs)]
             return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r, spread)

@@ -79,22 +79,84 @@ def test_set_poll_time():
     previous = D.set_poll_time(0.25)
     try:
         assert D.set_poll_time(0) == 0.25
+        assert D.set_poll_time("auto") == 0
         for bad, kind in ((-1e-6, ValueError), (math.inf, ValueError), (math.nan, ValueError), ("1", TypeError),
-                          (True, TypeError), (None, TypeError)):
+                          ("Auto", TypeError), (True, TypeError), (None, TypeError)):
             with pytest.raises(kind, match="seconds"):
                 D.set_poll_time(bad)
-        assert D.set_poll_time(previous) == 0  # unchanged by the refused values
+        assert D.set_poll_time(previous) == "auto"  # unchanged by the refused values
     finally:
         D.set_poll_time(previous)
 
 
-@pytest.mark.parametrize("raw,want", [(None, 0.0), ("0", 0.0), ("250", 250e-6)])
+def test_the_default_wait_is_auto():
+    assert D.set_poll_time(D.set_poll_time("auto")) == "auto"
+
+
+@pytest.mark.parametrize("raw,want", [(None, "auto"), ("auto", "auto"), (" AUTO ", "auto"), ("0", 0.0),
+                                      ("250", 250e-6)])
 def test_poll_time_from_the_environment(monkeypatch, raw, want):
     if raw is None:
         monkeypatch.delenv("PRUNOPT_DIST_POLL_US", raising=False)
     else:
         monkeypatch.setenv("PRUNOPT_DIST_POLL_US", raw)
-    assert D._poll_time_from_env() == pytest.approx(want)
+    assert D._poll_time_from_env() == (want if isinstance(want, str) else pytest.approx(want))
+
+
+def _chosen(chooser, kind, calls):
+    """The poll times ``chooser`` gives for ``calls`` collectives of ``kind``."""
+    return [chooser.poll_time(kind) for _ in range(calls)]
+
+
+def test_the_auto_wait_tries_both_ways_then_takes_the_faster():
+    """Until each way has its warm-up times both are drawn; then the way of
+    the smaller median wins, the other still drawn now and then (one call in
+    ``explore`` draws at random), and a change of the host (the other way
+    becoming faster) turns the choice within a window of times."""
+    c = D._WaitChooser(poll_s=0.005, window=9, warmup=3, explore=16, seed=1)
+    took = {0.0: 3e-3, 0.005: 1e-3}  # polling faster at first
+    seen = []
+    for _ in range(400):
+        poll = c.poll_time(7)
+        seen.append(poll)
+        c.record(7, poll, took[poll])
+    assert seen.count(0.0) >= 3 and seen.count(0.005) >= 3
+    late = seen[100:]
+    assert 0 < late.count(0.0) < len(late) // 8  # blocking only when explored
+    took = {0.0: 1e-3, 0.005: 4e-3}  # now blocking is faster
+    seen = []
+    for _ in range(2000):
+        poll = c.poll_time(7)
+        seen.append(poll)
+        c.record(7, poll, took[poll])
+    late = seen[1000:]
+    assert 0 < late.count(0.005) < len(late) // 8
+
+
+def test_the_auto_wait_learns_each_payload_size_apart():
+    """Collectives of different sizes (a select's first and its radix
+    passes) are timed apart: each kind takes its own faster way."""
+    c = D._WaitChooser(poll_s=0.002, window=9, warmup=3, explore=1 << 30, seed=2)
+    took = {(1, 0.0): 1e-3, (1, 0.002): 5e-3, (2, 0.0): 5e-3, (2, 0.002): 1e-3}
+    for _ in range(60):
+        for kind in (1, 2):
+            poll = c.poll_time(kind)
+            c.record(kind, poll, took[kind, poll])
+    assert set(_chosen(c, 1, 20)) == {0.0} and set(_chosen(c, 2, 20)) == {0.002}
+
+
+def test_the_auto_wait_draws_from_its_own_generator():
+    """Its draws leave the user's random streams alone."""
+    import random
+
+    random.seed(5)
+    torch.manual_seed(5)
+    want = (random.random(), torch.rand(1))
+    random.seed(5)
+    torch.manual_seed(5)
+    c = D._WaitChooser(seed=3)
+    _chosen(c, 1, 50)
+    assert (random.random(), torch.rand(1)) == want
 
 
 @pytest.mark.parametrize("raw", ["-1", "abc", "inf", "nan", ""])

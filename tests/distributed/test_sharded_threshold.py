@@ -326,8 +326,9 @@ def sc_skewed(rank, world):
 
 def sc_poll_times(rank, world):
     """The same results whether a rank blocks at once (0), polls past a
-    collective's end (1 s) or gives up polling before a late peer arrives
-    (rank 1 enters each selection 30 ms late, rank 0 polls 1 ms and blocks)."""
+    collective's end (1 s), gives up polling before a late peer arrives
+    (rank 1 enters each selection 30 ms late, rank 0 polls 1 ms and blocks)
+    or chooses its way itself ("auto", the default, with a late peer too)."""
     import time
 
     import prunopt.distributed as D
@@ -335,7 +336,7 @@ def sc_poll_times(rank, world):
     g = torch.Generator().manual_seed(12)
     full = torch.randn(3001, generator=g)
     out = []
-    for poll, late in ((0.0, 0.0), (1.0, 0.0), (1e-3, 0.03)):
+    for poll, late in ((0.0, 0.0), (1.0, 0.0), (1e-3, 0.03), ("auto", 0.0), ("auto", 0.01)):
         previous = D.set_poll_time(poll)
         try:
             for k in (1, 1500, 3001):
