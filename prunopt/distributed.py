@@ -283,6 +283,7 @@ class _WaitChooser:
 
         self.poll_s, self.window, self.warmup, self.explore = poll_s, window, warmup, explore
         self._times: dict = {}
+        self.recorded = 0  # collectives timed so far
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
@@ -309,6 +310,7 @@ class _WaitChooser:
         0 or not) and took ``seconds`` from its issue to its completion."""
         with self._lock:
             self._ways(kind)[1 if poll_s > 0 else 0].append(seconds)
+            self.recorded += 1
 
 
 _POLL_S = _poll_time_from_env()

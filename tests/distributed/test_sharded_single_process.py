@@ -108,29 +108,30 @@ def _chosen(chooser, kind, calls):
     return [chooser.poll_time(kind) for _ in range(calls)]
 
 
+def _run_waits(chooser, kind, calls, took):
+    """``calls`` collectives of ``kind`` that take ``took[poll]`` seconds
+    waited each way: the poll times the chooser gave them."""
+    seen = []
+    for _ in range(calls):
+        poll = chooser.poll_time(kind)
+        seen.append(poll)
+        chooser.record(kind, poll, took[poll])
+    return seen
+
+
 def test_the_auto_wait_tries_both_ways_then_takes_the_faster():
     """Until each way has its warm-up times both are drawn; then the way of
     the smaller median wins, the other still drawn now and then (one call in
     ``explore`` draws at random), and a change of the host (the other way
     becoming faster) turns the choice within a window of times."""
     c = D._WaitChooser(poll_s=0.005, window=9, warmup=3, explore=16, seed=1)
-    took = {0.0: 3e-3, 0.005: 1e-3}  # polling faster at first
-    seen = []
-    for _ in range(400):
-        poll = c.poll_time(7)
-        seen.append(poll)
-        c.record(7, poll, took[poll])
+    seen = _run_waits(c, 7, 400, {0.0: 3e-3, 0.005: 1e-3})  # polling faster at first
     assert seen.count(0.0) >= 3 and seen.count(0.005) >= 3
     late = seen[100:]
     assert 0 < late.count(0.0) < len(late) // 8  # blocking only when explored
-    took = {0.0: 1e-3, 0.005: 4e-3}  # now blocking is faster
-    seen = []
-    for _ in range(2000):
-        poll = c.poll_time(7)
-        seen.append(poll)
-        c.record(7, poll, took[poll])
-    late = seen[1000:]
+    late = _run_waits(c, 7, 2000, {0.0: 1e-3, 0.005: 4e-3})[1000:]  # now blocking is faster
     assert 0 < late.count(0.005) < len(late) // 8
+    assert c.recorded == 2400
 
 
 def test_the_auto_wait_learns_each_payload_size_apart():

@@ -336,6 +336,8 @@ def sc_poll_times(rank, world):
     g = torch.Generator().manual_seed(12)
     full = torch.randn(3001, generator=g)
     out = []
+
+    before = D._CHOOSER.recorded
     for poll, late in ((0.0, 0.0), (1.0, 0.0), (1e-3, 0.03), ("auto", 0.0), ("auto", 0.01)):
         previous = D.set_poll_time(poll)
         try:
@@ -345,6 +347,11 @@ def sc_poll_times(rank, world):
                 out += _cases([full], [(1200,)], rank, [k], modes=("bracket",))
         finally:
             assert D.set_poll_time(previous) == poll
+        if poll == "auto":  # ("auto" timed its collectives: at least one per selection)
+            assert D._CHOOSER.recorded >= before + 3
+        else:  # (a fixed way times nothing)
+            assert D._CHOOSER.recorded == before
+        before = D._CHOOSER.recorded
     return out
 
 
