@@ -145,5 +145,27 @@ def process_group(device: str = "cpu", timeout_s: float = 1800.0) -> Iterator[Di
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     try:
         yield Distributed(rank, world, local, backend)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    try:
+        _quiesce()
     finally:
         dist.destroy_process_group()
+
+
+def _quiesce() -> None:
+    """Lets the default process group's worker threads finish with the job's
+    last collective before the process ends: a barrier on every rank.
+
+    A gloo worker thread releases a finished collective's tensors after the
+    caller has been woken, and in torch 2.13 releasing a tensor made in Python
+    takes the GIL. The gloo threads outlive ``destroy_process_group()`` (they
+    end with the process), so when the job's last collective (its results
+    broadcast) was still being released as the interpreter shut down, the
+    thread was stopped inside that release and the process aborted
+    ("terminate called without an active exception", in ~5 % of 2-rank FSDP2
+    runs on one host). The barrier's round trip between the ranks gives the
+    release its time, and the barrier's own release holds no Python tensor.
+    Only on a normal exit: after an error another rank may never come."""
+    dist.barrier()

@@ -208,6 +208,31 @@ def test_torchrun_environment(monkeypatch):
         torchrun_environment()
 
 
+def test_the_process_group_ends_with_a_barrier_on_a_normal_exit_only(monkeypatch):
+    """A job's process group meets every rank a last time before it is
+    destroyed (so that no gloo worker still releases the last collective's
+    tensors as the interpreter ends); after an error it is destroyed at once
+    (another rank may never come) and the error goes through."""
+    import torch.distributed as dist
+
+    import prunopt.train.parallel as parallel
+
+    port = free_port()
+    for k, v in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    calls = []
+    inner = parallel._quiesce
+    monkeypatch.setattr(parallel, "_quiesce", lambda: calls.append(dist.is_initialized()) or inner())
+    with parallel.process_group() as d:
+        assert d.world_size == 1 and dist.is_initialized()
+    assert calls == [True] and not dist.is_initialized()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(KeyError, match="stop"):
+        with parallel.process_group():
+            raise KeyError("stop")
+    assert calls == [True] and not dist.is_initialized()
+
+
 def test_rank_0_alone_checks_out(tmp_path, monkeypatch, capsys):
     """Rank 0 alone writes --out, so it alone checks it: a rank that parses its
     arguments after rank 0 has created the staging directory must not take it
