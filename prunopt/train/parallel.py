@@ -167,5 +167,7 @@ def _quiesce() -> None:
     ("terminate called without an active exception", in ~5 % of 2-rank FSDP2
     runs on one host). The barrier's round trip between the ranks gives the
     release its time, and the barrier's own release holds no Python tensor.
-    Only on a normal exit: after an error another rank may never come."""
-    dist.barrier()
+    Only on a normal exit (after an error another rank may never come) and
+    only for gloo (NCCL's collectives run on CUDA streams, not such threads)."""
+    if dist.get_backend() == "gloo":
+        dist.barrier()
