@@ -37,12 +37,16 @@ types and local shapes are checked on each rank before any communication.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 import numbers
 import os
+import random
+import statistics
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
@@ -278,9 +282,6 @@ class _WaitChooser:
 
     def __init__(self, poll_s: float = _AUTO_POLL_S, window: int = 31, warmup: int = 5, explore: int = 16,
                  seed: int = 0):
-        import random
-        import threading
-
         self.poll_s, self.window, self.warmup, self.explore = poll_s, window, warmup, explore
         self._times: dict = {}
         self.recorded = 0  # collectives timed so far
@@ -290,15 +291,11 @@ class _WaitChooser:
     def _ways(self, kind: int):
         got = self._times.get(kind)
         if got is None:
-            import collections
-
             got = self._times[kind] = (collections.deque(maxlen=self.window), collections.deque(maxlen=self.window))
         return got
 
     def poll_time(self, kind: int) -> float:
         """The poll time for the next collective of ``kind``: 0 or ``poll_s``."""
-        import statistics
-
         with self._lock:
             blocked, polled = self._ways(kind)
             if min(len(blocked), len(polled)) < self.warmup or self._rng.randrange(self.explore) == 0:

@@ -513,6 +513,13 @@ _NONFINITE = object()
 _XMIN = {torch.float32: 2.0 ** -60, torch.float64: 2.0 ** -500}
 
 
+def _window_entries(dtype: torch.dtype, slots: int) -> int:
+    """The candidates a rank's window of ``slots`` int64 slots holds (see
+    :meth:`_FusedShare.window`): two slots for the sums, then one per float32
+    candidate (packed with its ``sqrt(m)``), two per float64 one."""
+    return slots - 2 if dtype == torch.float32 else (slots - 2) // 2
+
+
 class _FusedShare:
     """This rank's part of the fused select (:func:`_fused_select`) with its
     collectives left to the caller (the tests run several ranks in one process
@@ -542,10 +549,8 @@ class _FusedShare:
         grads = [loc.grads[i].detach().reshape(-1) for i in pruned]
         n_r = sum(g.numel() for g in grads)
 
-        # (with windows, the bracket holds at least half a window either side of the
-        # share: float32 packs one candidate per slot, float64 takes two)
-        per_slot = 1 if self.dtype == torch.float32 else 2
-        spread = (D._window_slots(world) - 2) // per_slot // 2 if D._window_area(world) else 0
+        # (with windows, the bracket holds at least half a window either side of the share)
+        spread = _window_entries(self.dtype, D._window_slots(world)) // 2 if D._window_area(world) else 0
 
         def bracket(share: int):
             # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
@@ -596,7 +601,7 @@ class _FusedShare:
         if not own.n_r:  # (no pruned values here: no sums either)
             return [0, 0, D._max_finite_bits(self.dtype) + 1, 0], torch.zeros(2, dtype=torch.int64)
         packed = self.dtype == torch.float32
-        got = own.window_range(share, slots - 2 if packed else (slots - 2) // 2)
+        got = own.window_range(share, _window_entries(self.dtype, slots))
         if got is None:
             return [0, 0, 0, -1], None
         lo, end = got
