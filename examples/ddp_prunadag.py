@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import data, parse  # noqa: E402
+from prunopt.distributed import end_process_group  # noqa: E402
 from prunopt.optim import PrunAdag  # noqa: E402
 
 args = parse(__doc__)
@@ -33,4 +34,6 @@ dist.all_gather(gathered, flat)
 assert all(torch.equal(gathered[0], g) for g in gathered), "replicas diverged"
 if rank == 0:
     print(f"{world} ranks, parameters bit-identical")
-dist.destroy_process_group()
+# End the group with a barrier and a pause that lets gloo's workers finish releasing the last
+# collective's tensors (a release during interpreter shutdown aborts the process).
+end_process_group()

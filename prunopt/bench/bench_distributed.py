@@ -207,9 +207,12 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
             results[key]["seconds"] = secs
         del grad, score, contenders
         results.update(_fsdp_steps(rank, world, n, threads, reps))
-    finally:
+    except BaseException:
         torch.save(results if "results" in locals() else {}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+        raise
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    D.end_process_group()
 
 
 def _polled(fn, seconds: float = 0.005):

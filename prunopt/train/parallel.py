@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from prunopt.distributed import end_process_group
+
 #: the variables torchrun sets for every worker (MASTER_PORT too, but it has a default)
 TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -148,26 +150,13 @@ def process_group(device: str = "cpu", timeout_s: float = 1800.0) -> Iterator[Di
     except BaseException:
         dist.destroy_process_group()
         raise
-    try:
-        _quiesce()
-    finally:
-        dist.destroy_process_group()
+    _end()
 
 
-def _quiesce() -> None:
-    """Lets the default process group's worker threads finish with the job's
-    last collective before the process ends: a barrier on every rank.
-
-    A gloo worker thread releases a finished collective's tensors after the
-    caller has been woken, and in torch 2.13 releasing a tensor made in Python
-    takes the GIL. The gloo threads outlive ``destroy_process_group()`` (they
-    end with the process), so when the job's last collective (its results
-    broadcast) was still being released as the interpreter shut down, the
-    thread was stopped inside that release and the process aborted
-    ("terminate called without an active exception", in ~5 % of 2-rank FSDP2
-    runs on one host). The barrier's round trip between the ranks gives the
-    release its time, and the barrier's own release holds no Python tensor.
-    Only on a normal exit (after an error another rank may never come) and
-    only for gloo (NCCL's collectives run on CUDA streams, not such threads)."""
-    if dist.get_backend() == "gloo":
-        dist.barrier()
+def _end() -> None:
+    """Ends the job's process group on a normal exit:
+    :func:`prunopt.distributed.end_process_group` (with gloo, every rank
+    meets at a barrier and the workers get the GIL to finish releasing the
+    last collectives' tensors before the group is destroyed). After an error
+    the group is destroyed at once instead, as another rank may never come."""
+    end_process_group()

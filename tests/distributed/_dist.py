@@ -43,6 +43,8 @@ def _worker(rank: int, world_size: int, port: int, scenarios: Sequence[Callable]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=group_timeout))
+    from prunopt.distributed import end_process_group
+
     results: Dict[str, tuple] = {}
     try:
         for fn in scenarios:
@@ -51,9 +53,12 @@ def _worker(rank: int, world_size: int, port: int, scenarios: Sequence[Callable]
             except Exception as e:  # recorded for the parent, which asserts on it
                 results[fn.__name__] = ("error", type(e).__name__, str(e), traceback.format_exc())
             dist.barrier()  # the next scenario starts in step on every rank
-    finally:
+    except BaseException:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+        raise
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    end_process_group()
 
 
 def run_scenarios(scenarios: Sequence[Callable], world_size: int = 2, timeout: float = 120.0,

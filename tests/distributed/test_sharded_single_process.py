@@ -167,6 +167,61 @@ def test_poll_time_from_the_environment_refused(monkeypatch, raw):
         D._poll_time_from_env()
 
 
+@pytest.mark.parametrize("pause, err, match", [("0.1", TypeError, "pause must be a real number"),
+                                               (True, TypeError, "pause must be a real number"),
+                                               (-0.01, ValueError, "pause must be finite and >= 0"),
+                                               (math.inf, ValueError, "pause must be finite and >= 0"),
+                                               (math.nan, ValueError, "pause must be finite and >= 0")])
+def test_end_process_group_argument_errors(pause, err, match):
+    with pytest.raises(err, match=match):
+        D.end_process_group(pause)
+
+
+def test_end_process_group_without_a_group():
+    with pytest.raises(ValueError, match="no default process group is initialised"):
+        D.end_process_group()
+
+
+def _one_rank_gloo(tmp_path, name="store"):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / name), 1), rank=0, world_size=1)
+
+
+def test_end_process_group_meets_sleeps_without_the_gil_then_destroys(tmp_path, monkeypatch):
+    """gloo: a barrier, then the pause (a plain sleep, which frees the GIL for
+    gloo's worker threads), then the group is gone; the barrier's work is
+    still held during the pause (its last reference then dropped here)."""
+    import time as time_module
+
+    events = []
+    real_barrier = dist.barrier
+
+    def barrier(*args, **kwargs):
+        work = real_barrier(*args, **kwargs)
+        events.append(("barrier", kwargs.get("async_op", False)))
+        return work
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+    monkeypatch.setattr(time_module, "sleep", lambda s: events.append(("sleep", s, dist.is_initialized())))
+    _one_rank_gloo(tmp_path)
+    D.end_process_group(0.02)
+    assert events == [("barrier", True), ("sleep", 0.02, True)]
+    assert not dist.is_initialized()
+    _one_rank_gloo(tmp_path, "store2")
+    D.end_process_group()  # the default pause
+    assert events[-1] == ("sleep", 0.05, True) and not dist.is_initialized()
+
+
+def test_end_process_group_destroys_the_group_when_the_barrier_fails(tmp_path, monkeypatch):
+    def barrier(*args, **kwargs):
+        raise RuntimeError("a rank left")
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+    _one_rank_gloo(tmp_path)
+    with pytest.raises(RuntimeError, match="a rank left"):
+        D.end_process_group()
+    assert not dist.is_initialized()
+
+
 def test_argument_errors():
     x = torch.randn(10)
     with pytest.raises(TypeError, match="k must be an int"):

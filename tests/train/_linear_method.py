@@ -43,6 +43,7 @@ def register() -> None:
 
 if __name__ == "__main__":
     from prunopt.cli import main
+    from prunopt.distributed import end_process_group
 
     import torch.distributed as dist
 
@@ -56,7 +57,10 @@ if __name__ == "__main__":
             one = argv[: argv.index(";;")] if ";;" in argv else argv
             argv = argv[len(one) + 1:]
             status = status or main(one)
-    finally:
+    except BaseException:
         if several:
             dist.destroy_process_group()
+        raise
+    if several:
+        end_process_group()
     sys.exit(status)

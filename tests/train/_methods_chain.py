@@ -87,6 +87,7 @@ def ghost_batch_norm():
 
 def main(argv) -> int:
     from prunopt.cli import main as prunopt_main
+    from prunopt.distributed import end_process_group
 
     import torch.distributed as dist
 
@@ -109,9 +110,12 @@ def main(argv) -> int:
                     print(f"failed: {' '.join(one)}: {type(e).__name__}: {e}", flush=True)
                 code = 1
             status = status or code
-    finally:
+    except BaseException:
         if several:
             dist.destroy_process_group()
+        raise
+    if several:
+        end_process_group()
     return status
 
 
