@@ -27,11 +27,11 @@ Every contender is verified before it is timed (the sharded threshold
 bit-identical to ``torch.kthvalue`` on the gathered values, the sharded
 projection within 1e-5 of the one-process projection). The ranks time the
 contenders in lockstep and in turn (one warm-up round, then ``reps // 5``
-rounds in which every contender makes a burst of about 5 consecutive calls,
-each timed alone; a contender's figure is the median of its ``reps`` calls on
-the slower rank),
-so that the host's drift falls on all contenders alike; the FSDP2 steps
-likewise, among themselves. Bytes are counted by
+rounds in which every contender makes a burst of about 5 consecutive calls
+after one untimed settling call, each timed alone, round ``r`` starting at
+contender ``r``; a contender's figure is the median of its ``reps`` calls on
+the slower rank), so that the host's drift falls on all contenders alike and
+none pays for the one before it; the FSDP2 steps likewise, among themselves. Bytes are counted by
 wrapping ``torch.distributed.all_reduce`` and ``all_gather_single``: the
 payload one rank hands to the collectives per call. The model rows give the
 bytes one rank sends per call with ``W`` ranks on a ring (all_reduce
@@ -100,24 +100,29 @@ class _Counter:
 def _lockstep_medians(fns: Dict[tuple, object], reps: int, learn: int = 0) -> Dict[tuple, float]:
     """Median seconds of ``reps`` calls of each contender, made in
     ``reps // 5`` rounds (at least one) that take the contenders in turn (each
-    round a burst of about 5 consecutive calls of each contender, in one order
-    on every rank), so that the host's drift over the seconds of a run falls on
-    all contenders alike instead of on their ratios, while most calls still
-    find the memory their previous call freed (a burst's first call can pay
-    for fresh pages after another contender's large allocations, 50K page
-    faults for 200 MB: with bursts of 5 the median leaves it out; 5 calls or
-    fewer are one burst each, one contender after the other). Every rank makes the same calls (the collectives inside
-    keep them in lockstep; an adaptive count such as ``blocked_autorange``
-    could differ between ranks and hang). The warm-up is one call of each
-    contender, ``1 + learn`` of those whose waits learn (:func:`_learns`)."""
+    round a burst of about 5 consecutive calls of each contender), so that the
+    host's drift over the seconds of a run falls on all contenders alike
+    instead of on their ratios. Each burst starts with one call that is not
+    timed: the first call after another contender pays for that contender's
+    traces (fresh pages after its large allocations, 50K page faults for 200
+    MB; the caches it filled), and so would a contender that always came
+    first. Round ``r`` starts at contender ``r`` (mod their number), so no
+    contender always follows the same one. The order is the same on every
+    rank: every rank makes the same calls (the collectives inside keep them in
+    lockstep; an adaptive count such as ``blocked_autorange`` could differ
+    between ranks and hang). The warm-up is one call of each contender,
+    ``1 + learn`` of those whose waits learn (:func:`_learns`)."""
     per: Dict[tuple, List[float]] = {key: [] for key in fns}
     rounds = max(1, reps // 5)
     for key, fn in fns.items():  # warm-up
         for _ in range(1 + (learn if _learns(key) else 0)):
             fn()
+    keys = list(fns)
     for r in range(rounds):
         count = reps // rounds + (1 if r < reps % rounds else 0)
-        for key, fn in fns.items():
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            fn = fns[key]
+            fn()  # the burst's settling call, not timed
             for _ in range(count):
                 t0 = time.perf_counter()
                 fn()
@@ -447,8 +452,8 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              f"each; one-process contenders with {threads} threads and 1 after the ranks exit. threshold: k = N/10 of "
              "randn; projection: S = 0.1 N of scores uniform in [0, 1.2). Rank rows: the slower rank's median of "
              "reps calls (15 up to 10M, 5 above; 3 with --quick) after a warm-up round, each call timed alone, in "
-             "lockstep, in reps/5 rounds that take the contenders in turn (a burst of 5 calls each; one burst of "
-             "5 at 100M); "
+             "lockstep, in reps/5 rounds that take the contenders in turn (a burst of 5 calls each after one untimed "
+             "settling call; round r starts at contender r; one burst of 5 at 100M); "
              "payload_bytes_per_rank = what one rank hands to the collectives per call (counted by wrapping "
              "torch.distributed). Model rows: bytes one rank sends per call on a ring of `ranks` ranks "
              "(all_reduce 2(W-1)/W x payload, all_gather (W-1)/W x the gathered N x 4 bytes); the sharded rows' "
