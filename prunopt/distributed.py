@@ -272,43 +272,80 @@ def _poll_time_from_env() -> Union[float, str]:
 class _WaitChooser:
     """The ``"auto"`` wait of :func:`set_poll_time`: for each kind of CPU
     collective (its payload size, to the power of two), whether to block at
-    once or to poll for up to ``poll_s`` first, from the measured time of
-    each (issue to completion). Until each way has ``warmup`` times, and
-    then on a ``1 / explore`` share of the calls, the way is drawn at random
-    (so that no call of a step always takes one way); otherwise the way whose
-    median over its last ``window`` times is smaller. Only the waiting
-    changes, never what the collective computes, so every rank chooses for
-    itself (the draws come from a private generator: the user's random
-    streams are untouched)."""
+    once or to poll for up to ``poll_s`` first, from *paired* timings of the
+    two ways (issue to completion), so that the host's drift, which moves
+    both ways alike, does not decide.
+
+    * The first ``2 warmup`` calls of a kind alternate the ways; each
+      (blocked, polled) pair of neighbouring calls gives one comparison.
+    * Then the way the comparisons favour is taken (their median of
+      ``log(polled / blocked)``, over the last ``window`` of them), except on
+      a ``1 / explore`` share of the calls, drawn at random, which take the
+      other way; each such call is compared with the median of the chosen
+      way's last ``recent`` calls, made just before it.
+
+    A way's old timings never stand against the other's new ones (as medians
+    of each way's own last calls would, when one way is explored only now and
+    then). Only the waiting changes, never what the collective computes, so
+    every rank chooses for itself (the draws come from a private generator:
+    the user's random streams are untouched)."""
 
     def __init__(self, poll_s: float = _AUTO_POLL_S, window: int = 31, warmup: int = 5, explore: int = 16,
-                 seed: int = 0):
-        self.poll_s, self.window, self.warmup, self.explore = poll_s, window, warmup, explore
-        self._times: dict = {}
+                 seed: int = 0, recent: int = 5):
+        self.poll_s, self.window, self.warmup, self.explore, self.recent = poll_s, window, warmup, explore, recent
+        self._kinds: dict = {}
         self.recorded = 0  # collectives timed so far
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
-    def _ways(self, kind: int):
-        got = self._times.get(kind)
+    def _kind(self, kind: int) -> dict:
+        got = self._kinds.get(kind)
         if got is None:
-            got = self._times[kind] = (collections.deque(maxlen=self.window), collections.deque(maxlen=self.window))
+            got = self._kinds[kind] = dict(calls=0, last=[None, None], ratios=collections.deque(maxlen=self.window),
+                                           recent=collections.deque(maxlen=self.recent), way=None)
         return got
+
+    @staticmethod
+    def _favoured(k: dict) -> int:
+        """1 (polled) when the comparisons favour polling, else 0 (blocked)."""
+        return 1 if statistics.median(k["ratios"]) < 0 else 0
 
     def poll_time(self, kind: int) -> float:
         """The poll time for the next collective of ``kind``: 0 or ``poll_s``."""
         with self._lock:
-            blocked, polled = self._ways(kind)
-            if min(len(blocked), len(polled)) < self.warmup or self._rng.randrange(self.explore) == 0:
-                return self.poll_s if self._rng.randrange(2) else 0.0
-            return self.poll_s if statistics.median(polled) <= statistics.median(blocked) else 0.0
+            k = self._kind(kind)
+            if k["calls"] < 2 * self.warmup or not k["ratios"]:
+                return self.poll_s if k["calls"] % 2 else 0.0  # blocked, polled, blocked, ...
+            way = self._favoured(k)
+            if self._rng.randrange(self.explore) == 0:
+                way = 1 - way
+            return self.poll_s if way else 0.0
 
     def record(self, kind: int, poll_s: float, seconds: float) -> None:
         """Records that a collective of ``kind`` waited this way (``poll_s``,
         0 or not) and took ``seconds`` from its issue to its completion."""
+        way = 1 if poll_s > 0 else 0
+        seconds = max(seconds, 1e-9)
         with self._lock:
-            self._ways(kind)[1 if poll_s > 0 else 0].append(seconds)
+            k = self._kind(kind)
+            k["calls"] += 1
             self.recorded += 1
+            if k["calls"] <= 2 * self.warmup or not k["ratios"]:
+                k["last"][way] = seconds
+                blocked, polled = k["last"]
+                if way == 1 and blocked is not None:  # a pair: the blocked call just before this polled one
+                    k["ratios"].append(math.log(polled / blocked))
+                    k["last"] = [None, None]
+                return
+            chosen = self._favoured(k)
+            if chosen != k["way"]:  # a new choice: its recent calls start afresh
+                k["way"] = chosen
+                k["recent"].clear()
+            if way == chosen:
+                k["recent"].append(seconds)
+            elif k["recent"]:
+                ref = statistics.median(k["recent"])
+                k["ratios"].append(math.log(seconds / ref) if way == 1 else math.log(ref / seconds))
 
 
 _POLL_S = _poll_time_from_env()
@@ -337,9 +374,12 @@ def set_poll_time(seconds) -> Union[float, str]:
     another it made every size faster, and the time from the last rank's
     arrival to the end of an FSDP2 PrunAdag step's collective went from 1.8-4.9
     ms blocked to 0.5-0.8 ms polled. So by default each process measures:
-    ``"auto"`` times its collectives both ways, per payload size, and waits
-    the way whose recent median is smaller (blocking, or polling up to 5 ms),
-    still trying the other on one call in 16 to follow the host. Every way
+    ``"auto"`` times its collectives both ways, per payload size, comparing
+    the ways in neighbouring calls (so that the host's drift, which moves
+    both alike, does not decide), waits the way those comparisons favour
+    (blocking, or polling up to 5 ms), and still tries the other on one call
+    in 16, against the chosen way's calls just before, to follow the host.
+    Every way
     computes the same result; only the waiting differs. CUDA tensors (NCCL)
     are never polled: their collectives are asynchronous on a stream already.
 

@@ -134,6 +134,29 @@ def test_the_auto_wait_tries_both_ways_then_takes_the_faster():
     assert c.recorded == 2400
 
 
+def test_the_auto_wait_is_not_misled_by_the_host_drifting():
+    """The ways are compared in neighbouring calls: when the whole host slows
+    down fivefold, polling (twice as fast throughout) stays the choice,
+    although the blocked calls timed before the drift are faster than the
+    polled ones after it."""
+    c = D._WaitChooser(poll_s=0.005, window=9, warmup=3, explore=1 << 30, seed=4)  # never explores
+    assert _run_waits(c, 7, 50, {0.0: 2e-3, 0.005: 1e-3})[6:] == [0.005] * 44
+    assert _run_waits(c, 7, 50, {0.0: 10e-3, 0.005: 5e-3}) == [0.005] * 50
+    c = D._WaitChooser(poll_s=0.005, window=9, warmup=3, explore=16, seed=4)
+    _run_waits(c, 7, 300, {0.0: 2e-3, 0.005: 1e-3})
+    late = _run_waits(c, 7, 600, {0.0: 10e-3, 0.005: 5e-3})
+    assert 0 < late.count(0.0) < len(late) // 8  # blocking only when explored
+
+
+def test_the_auto_wait_pairs_its_warm_up_calls():
+    """The warm-up alternates the ways (blocked first), one comparison per
+    pair, then the faster way is taken."""
+    c = D._WaitChooser(poll_s=0.003, window=9, warmup=4, explore=1 << 30, seed=0)
+    seen = _run_waits(c, 5, 8, {0.0: 1e-3, 0.003: 2e-3})
+    assert seen == [0.0, 0.003] * 4
+    assert set(_chosen(c, 5, 20)) == {0.0}
+
+
 def test_the_auto_wait_learns_each_payload_size_apart():
     """Collectives of different sizes (a select's first and its radix
     passes) are timed apart: each kind takes its own faster way."""
