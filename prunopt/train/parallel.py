@@ -150,13 +150,4 @@ def process_group(device: str = "cpu", timeout_s: float = 1800.0) -> Iterator[Di
     except BaseException:
         dist.destroy_process_group()
         raise
-    _end()
-
-
-def _end() -> None:
-    """Ends the job's process group on a normal exit:
-    :func:`prunopt.distributed.end_process_group` (with gloo, every rank
-    meets at a barrier and the workers get the GIL to finish releasing the
-    last collectives' tensors before the group is destroyed). After an error
-    the group is destroyed at once instead, as another rank may never come."""
-    end_process_group()
+    end_process_group()  # with gloo: a barrier and the workers' releases first (see there)

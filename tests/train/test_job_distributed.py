@@ -221,8 +221,8 @@ def test_the_process_group_ends_with_a_barrier_on_a_normal_exit_only(monkeypatch
     for k, v in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
         monkeypatch.setenv(k, v)
     calls = []
-    inner = parallel._end
-    monkeypatch.setattr(parallel, "_end", lambda: calls.append(dist.is_initialized()) or inner())
+    inner = parallel.end_process_group
+    monkeypatch.setattr(parallel, "end_process_group", lambda: calls.append(dist.is_initialized()) or inner())
     with parallel.process_group() as d:
         assert d.world_size == 1 and dist.is_initialized()
     assert calls == [True] and not dist.is_initialized()
