@@ -86,6 +86,15 @@ TORCH_LIBRARY(prunopt, m) {
   // |v| > hi (int64, 0-dim) and the |v| with lo <= |v| <= hi in index order
   // (the candidates; what the sharded threshold selects among).
   m.def("topk_bracket(Tensor[] values, float lo, float hi) -> (Tensor, Tensor)");
+  // One rank's slice of the sharded threshold's first round: from a fixed
+  // strided sample of |v| a bracket of the share-th largest, widened to a grid
+  // of at most `buckets` buckets of 2^j ulps, read in one topk_bracket pass;
+  // returns the int64 head [n_r, above, start, j, nb, bad, w_above, w_lo,
+  // w_end, w_m, scan_start, scan_stop], the candidates' histogram on the grid
+  // (int64, nb), the window (bit patterns of the candidates in the grid
+  // buckets around the share, at most `cap`; int32 for float32, int64 for
+  // float64) and the candidates (|v| inside the bracket, index order).
+  m.def("topk_slice(Tensor[] values, int share, int buckets, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
   // prunAdag's bracket pass over one scope's local part (effective gradients
   // ge = +-g + weight_decay x of the pruned tensors, bracket [lo, hi] of |ge|):
   // float64 [#{|ge| > hi}, sum ge^2 over |ge| > hi, sum x^2 over |ge| < lo with

@@ -833,16 +833,17 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     windows, up to ``_WINDOW_WORLD`` ranks; beyond, or when a window misses,
     steps 3 and 4, usually one more collective):
 
-    1. each rank brackets its own ``s``-th largest ``|v|`` (``s = ceil(k /
-       W)`` over ``W`` ranks) from a fixed strided sample of its values
-       (:func:`_sample_bracket`; all of its values where ``s`` exceeds them),
-       widens the bracket to a grid of at most ``_rank_buckets(W)`` buckets of
-       ``2**j`` ulps aligned at multiples of ``2**j``, and in one fused pass
-       (``prunopt.ops.topk_bracket``) counts its values above the bracket,
-       keeps those inside it and checks finiteness; the candidates'
-       histogram on the grid is its *slice*, the candidates of the grid
-       buckets around its share its *window* (:meth:`_OwnSlice.window`; the
-       bracket holds half a window either side at least);
+    1. each rank, in one call of ``prunopt.ops.topk_slice``
+       (:meth:`_OwnSlice.of_op`), brackets its own ``s``-th largest ``|v|``
+       (``s = ceil(k / W)`` over ``W`` ranks) from a fixed strided sample of
+       its values (all of them where ``s`` exceeds them), widens the bracket
+       to a grid of at most ``_rank_buckets(W)`` buckets of ``2**j`` ulps
+       aligned at multiples of ``2**j``, and in one fused pass counts its
+       values above the bracket, keeps those inside it and checks
+       finiteness; the candidates' histogram on the grid is its *slice*, the
+       candidates of the grid buckets around its share, at most
+       ``_window_slots(W)`` slots of them, its *window* (the bracket holds
+       half a window either side at least);
     2. one ``all_reduce`` sums ``n``, the agreement on ``k`` and the dtype,
        and lays every rank's slice and window side by side (each rank writes
        only its own). When ``tau`` lies inside every window, the pooled
@@ -867,13 +868,14 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
     world = plan.world
     buckets = _rank_buckets(world)
     windows = _window_area(world) > 0
-    # (with windows, each rank's bracket holds at least the values of a window
-    # either side of its share, so that a small shard's exact bracket is not
-    # one value)
-    spread = _window_slots(world) * (8 // _RADIX[dtype].int_dtype.itemsize) // 2 if windows else 0
-    n_r = sum(v.numel() for v in keys)
-    own = _OwnSlice(keys, k, world, buckets, dtype, bracket=lambda s: _sample_bracket(keys, s, n_r, spread))
-    window = own.window(-(-k // world), _window_slots(world)) if windows else None
+    # step 1 in one call of the fused op (the sample, the bracket, the pass, the
+    # slice and the window; with windows, the bracket holds at least half a
+    # window either side of the share, so that a small shard's exact bracket
+    # is not one value)
+    cap = _window_slots(world) * (8 // _RADIX[dtype].int_dtype.itemsize) if windows else 0
+    own, window = _OwnSlice.of_op(keys or [local[0].new_empty(0)], k, world, buckets, cap)
+    if not windows:
+        window = None
     # 2) the first collective: the slices, the windows, n and the agreement
     n, vec = _first_collective(own, k, plan, window)
     if _any_bad(vec, world):
@@ -905,7 +907,7 @@ def _bracket_select(local: List[Tensor], plan: _Plan, k: int, nonfinite_is_none:
 _SLICE_HEAD = 6  # a slice: n_r, above, first grid point, log2 of the step, buckets, non-finite flag
 _MIN_RANK_BUCKETS = 64
 # The plain select's first collective also carries, up to _WINDOW_WORLD ranks,
-# each rank's window (see _OwnSlice.window) in _WINDOW_AREA slots after the
+# each rank's window (see prunopt.ops.topk_slice) in _WINDOW_AREA slots after the
 # slices (the other paths leave them zero): its head, then its values' bit
 # patterns. The head: the count above the window, its first bit pattern, its
 # end (exclusive) and its count of values (-1: more than fit).
@@ -918,27 +920,30 @@ def _first_collective(own: "_OwnSlice", k: int, plan: _Plan, window=None) -> Tup
     """The first collective of a bracketed select (:func:`_bracket_select`,
     prunAdag's fused select): this rank's slice in its place of the area
     (every rank writes only its own), its window (``(head, bits)`` of
-    :meth:`_OwnSlice.window`, or prunAdag's) in its place of the windows'
+    ``prunopt.ops.topk_slice``, or prunAdag's) in its place of the windows'
     area when given, ``n_r`` and the agreement fields. Returns the global
     ``n`` and the summed vector (every rank's slice: :func:`_slices`), after
     checking that ``k`` and the dtype agree (``ValueError`` on every rank
     alike)."""
     world = plan.world
     buckets, area = _rank_buckets(world), _area(world)
-    vec = torch.zeros(_first_size(world), dtype=torch.int64)
+    # (written through numpy: a handful of small copies, each a fraction of a
+    # torch op's overhead; the tensor shares the array's memory)
+    arr = np.zeros(_first_size(world), dtype=np.int64)
     rank = _rank_index(plan.groups)
     at = rank * (buckets + _SLICE_HEAD)
-    vec[at:at + _SLICE_HEAD] = torch.tensor(own.head)
-    vec[at + _SLICE_HEAD:at + _SLICE_HEAD + own.hist.numel()] = own.hist
+    arr[at:at + _SLICE_HEAD] = own.head
+    arr[at + _SLICE_HEAD:at + _SLICE_HEAD + own.hist.numel()] = own.hist.numpy()
     if window is not None:
         head, bits = window
         slots = _window_slots(world)
         at = _slice_area(world) + rank * (_WINDOW_HEAD + slots)
-        vec[at:at + _WINDOW_HEAD] = torch.tensor(head)
+        arr[at:at + _WINDOW_HEAD] = head
         if bits is not None and bits.numel():
-            seg = vec[at + _WINDOW_HEAD:at + _WINDOW_HEAD + slots]
-            (seg.view(torch.int32) if bits.dtype == torch.int32 else seg)[:bits.numel()] = bits
-    vec[area:area + _META] = torch.tensor(_meta(own.n_r, k, _RADIX[own.dtype]))
+            seg = arr[at + _WINDOW_HEAD:at + _WINDOW_HEAD + slots]
+            (seg.view(np.int32) if bits.dtype == torch.int32 else seg)[:bits.numel()] = bits.numpy()
+    arr[area:area + _META] = _meta(own.n_r, k, _RADIX[own.dtype])
+    vec = torch.from_numpy(arr)
     _all_reduce(vec, plan.groups)
     n = _agreed_n(vec[area:area + _META].tolist(), k, world)
     return n, vec
@@ -1073,6 +1078,25 @@ class _OwnSlice:
             self.hist = torch.bincount(off, minlength=nb)
         self.head = [self.n_r, self.above, self.start, j, nb, int(self.bad)]
 
+    @classmethod
+    def of_op(cls, values: List[Tensor], k: int, world: int, buckets: int,
+              cap: int) -> Tuple["_OwnSlice", Tuple[List[int], Optional[Tensor]]]:
+        """Step 1 and the window of the plain select in one call of the fused
+        op ``prunopt::topk_slice`` (its sample's bracket, its pass, and a
+        window of at most ``cap`` values: the candidates of whole grid
+        buckets around the share, see :meth:`window_range`):
+        ``(slice, (window head, window bits or None))``."""
+        head, hist, bits, inside = torch.ops.prunopt.topk_slice(values, -(-k // world), buckets, cap)
+        h = head.tolist()
+        self = cls.__new__(cls)
+        self.dtype, self.n_r, self.above, self.start, self.j, self.bad = values[0].dtype, h[0], h[1], h[2], h[3], \
+            bool(h[5])
+        self.stop = self.start + (h[4] << self.j)
+        self.scanned = (h[10], h[11])
+        self.inside, self.hist, self.more = inside, hist, ()
+        self.head = h[:_SLICE_HEAD]
+        return self, (h[6:10], bits if h[9] > 0 else None)
+
     def _grid(self, first: int, end: int, buckets: int) -> None:
         """The grid of ``2**j`` ulps aligned at multiples of ``2**j``, at most
         ``buckets`` buckets, from ``first`` to ``end`` (bit patterns)."""
@@ -1129,28 +1153,6 @@ class _OwnSlice:
         below it (``a + m = n_r``) for every ``t < end`` (it starts at 0)."""
         return [a, lo if a + m < self.n_r else 0, end if a else _max_finite_bits(self.dtype) + 1, m]
 
-    def window(self, share: int, slots: int) -> Tuple[List[int], Optional[Tensor]]:
-        """This rank's window for the one-collective select
-        (:func:`_window_tau`): its candidates in :meth:`window_range`, as
-        many as fit in ``slots`` (two float32 or one float64 per slot).
-        Returns ``(head, bits)``: ``head = [a, lo, end, m]``, the count ``a``
-        of values ``>= end``, the window's first bit pattern ``lo`` and its
-        end ``end`` (exclusive), its count ``m`` (``-1`` when one bucket is
-        already more than fits, or on a non-finite value), and the ``m``
-        values' bit patterns (int32 for float32, int64 for float64). For any
-        bit pattern ``t`` in ``[lo, end)`` this rank has exactly
-        ``a + #{window >= t}`` values ``>= t`` (see :meth:`window_head`); a
-        rank without values has ``a = m = 0`` over ``[0, top + 1)``."""
-        if not self.n_r:
-            return [0, 0, _max_finite_bits(self.dtype) + 1, 0], None
-        got = self.window_range(share, slots * (8 // _RADIX[self.dtype].int_dtype.itemsize))
-        if got is None:
-            return [0, 0, 0, -1], None
-        lo, end = got
-        count, vals = _topk_bracket([self.inside], _bits_value(lo, self.dtype), _bits_value(end - 1, self.dtype))
-        return (self.window_head(self.above + int(count), lo, end, vals.numel()),
-                vals.view(_RADIX[self.dtype].int_dtype))
-
     def covers(self, lo_bits: int, hi_bits: int) -> bool:
         """Whether this rank's bracket holds ``[L, H]`` (bit patterns): then
         its candidates are all its values in ``[L, H]``."""
@@ -1200,7 +1202,7 @@ def _any_bad(vec: Tensor, world: int) -> bool:
     """Whether a slice of the summed first collective ``vec`` flags a
     non-finite value."""
     width = _rank_buckets(world) + _SLICE_HEAD
-    return bool(vec[:world * width].view(world, width)[:, _SLICE_HEAD - 1].any())
+    return bool(vec.numpy()[_SLICE_HEAD - 1:world * width:width].any())
 
 
 def _windows_of(vec: Tensor, world: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
@@ -1220,17 +1222,34 @@ def _pooled_kth(pool: np.ndarray, heads: np.ndarray, k: int) -> Optional[int]:
     inside all windows (``max lo <= t < min end``) has exactly ``A + #{pool
     >= t}`` values ``>= t`` over all ranks, so the ``(k - A)``-th largest of
     the pool, when it lies inside all windows, is the ``k``-th largest;
-    ``None`` otherwise (the same on every rank)."""
-    rest = k - int(heads[:, 0].sum())
-    if not 1 <= rest <= pool.size:
+    ``None`` otherwise (the same on every rank).
+
+    Only the pool's values inside all windows can be it: the ``C`` at or
+    above ``min end`` all lie above it, those below ``max lo`` all below, so
+    it is the ``r = (k - A - C)``-th largest of the inner values when ``r``
+    is in range. That one is found in two steps, a histogram of the inner
+    values on at most 1024 buckets and a partition of the bucket that holds
+    it (half a partition of the whole pool's time)."""
+    lo, end = int(heads[:, 1].max()), int(heads[:, 2].min())
+    if lo >= end:
         return None
-    t = int(np.partition(pool, pool.size - rest)[pool.size - rest])
-    return t if int(heads[:, 1].max()) <= t < int(heads[:, 2].min()) else None
+    rest = k - int(heads[:, 0].sum()) - int(np.count_nonzero(pool >= end))
+    inner = pool[(pool >= lo) & (pool < end)].astype(np.int64)
+    if not 1 <= rest <= inner.size:
+        return None
+    shift = max(0, (end - lo - 1).bit_length() - 10)
+    digit = (inner - lo) >> shift
+    hist = np.bincount(digit)
+    ge = np.cumsum(hist[::-1])  # ge[i]: the inner values in the top i + 1 buckets
+    b = int(np.searchsorted(ge, rest))  # the first count of the top buckets that reaches rest
+    rest -= int(ge[b - 1]) if b else 0
+    part = inner[digit == hist.size - 1 - b]
+    return int(np.partition(part, part.size - rest)[part.size - rest])
 
 
 def _window_tau(vec: Tensor, world: int, k: int, dtype: torch.dtype) -> Optional[int]:
     """The bit pattern of the ``k``-th largest ``|v|`` from every rank's
-    window of values (:meth:`_OwnSlice.window`) in the summed first
+    window of values (``prunopt.ops.topk_slice``) in the summed first
     collective ``vec``, or ``None`` when the windows do not show it
     (:func:`_pooled_kth`)."""
     got = _windows_of(vec, world)

@@ -28,6 +28,7 @@
 #include "prunopt/checks.h"
 #include "prunopt/prunadag.h"
 #include "prunopt/prunadag_reduced.h"
+#include "prunopt/topk_slice.h"
 #include "prunopt/tensor_list.h"
 
 namespace prunopt {
@@ -821,4 +822,6 @@ TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
   m.impl("prunadag_norms", &prunopt::cuda::prunadag_norms_cuda);
   m.impl("topk_bracket", &prunopt::cuda::topk_bracket_cuda);
   m.impl("prunadag_bracket", &prunopt::cuda::prunadag_bracket_cuda);
+  // host logic around topk_threshold and topk_bracket (csrc/cpu/topk_slice.cpp)
+  m.impl("topk_slice", &prunopt::topk_slice);
 }

@@ -130,12 +130,17 @@ def _lockstep_medians(fns: Dict[tuple, object], reps: int, learn: int = 0) -> Di
     return {key: statistics.median(ts) for key, ts in per.items()}
 
 
+# the floor contender's name (see _worker)
+_FLOOR = "floor: the shard's pass + one all_reduce"
+
+
 def _learns(key: tuple) -> bool:
     """Whether a contender's collectives wait the default way, which learns
     (``set_poll_time("auto")`` times both ways over its first calls, as in a
     training run's first steps): it is warmed up ``learn`` calls more."""
     name = key[1]
-    return ("sharded" in name or "PrunAdag" in name) and not name.endswith(("polled waits", "blocking waits"))
+    return ("sharded" in name or "PrunAdag" in name or name == _FLOOR) and not name.endswith(("polled waits",
+                                                                                             "blocking waits"))
 
 
 def _learn_calls() -> int:
@@ -153,7 +158,7 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     import prunopt.distributed as D
-    from prunopt.ops import project_budget
+    from prunopt.ops import project_budget, topk_bracket, topk_slice
 
     try:
         grad, score = _shard(n, rank, world, "grad"), _shard(n, rank, world, "score")
@@ -171,8 +176,17 @@ def _worker(rank: int, world: int, port: int, n: int, threads: int, reps: int, o
             dist.all_reduce(full)
             return full
 
+        # the floor of any exact sharded select: one read of the shard (the
+        # sharded select's own pass, over the bracket it takes) and one
+        # all_reduce of its first collective's size, waited the default way
+        head = topk_slice(grad, -(-k // world), D._rank_buckets(world), 2 * D._window_slots(world))[0].tolist()
+        floor_lo, floor_hi = D._bits_value(head[10], torch.float32), D._bits_value(head[11] - 1, torch.float32)
+        floor_vec = torch.zeros(D._first_size(world), dtype=torch.int64)
+
         contenders = {
             ("threshold", "sharded"): lambda: D.topk_threshold(grad, k),
+            ("threshold", _FLOOR): lambda: (topk_bracket(grad, floor_lo, floor_hi),
+                                            D._all_reduce(floor_vec.zero_(), [dist.group.WORLD])),
             ("threshold", "sharded, polled waits"): _polled(lambda: D.topk_threshold(grad, k)),
             ("threshold", "sharded, blocking waits"): _polled(lambda: D.topk_threshold(grad, k), 0.0),
             ("threshold", "sharded without windows"): _without_windows(lambda: D.topk_threshold(grad, k)),
@@ -475,7 +489,11 @@ def run(quick: bool = False, threads: int = 2, out=None) -> str:
              "polled for completion for up to 5 ms before it blocks), 'blocking waits' with set_poll_time(0) "
              "(blocked at once, as torch.distributed waits). 'without windows': the same calls with the selects' "
              "windows off (the slices' bracket, then a radix pass: 2 collectives on alike ranks), the windows' "
-             "effect side by side. "
+             "effect side by side. 'floor': what any exact sharded select must at least do here, the sharded "
+             "select's own pass over its shard (topk_bracket over the bracket it takes) and one all_reduce of its "
+             "first collective's size, waited the default way: the sharded row's distance to it is the select's "
+             "own overhead (sample, slice, window, Python), the floor's to the one-process row the cost of two "
+             "ranks sharing this host's cores and memory bandwidth and of one gloo round. "
              "Rerun: `python -m prunopt.bench.run --only distributed [--quick]`.")
     columns = ["n", "op", "contender", "ranks", "time_ms", "vs_one_process", "vs_one_process_1_thread", "vs_adagrad",
                "collectives_per_call", "payload_bytes_per_rank"]

@@ -160,7 +160,7 @@ def run(quick: bool, threads: int, out) -> str:
              "faster than torch.kthvalue; fused >= 100x faster than the single-tensor path. "
              "Rerun: `PYTHONPATH=. python -m bench.run --only prunadag`.")
     md = write_results("prunadag", rows, environment(threads), notes, out)
-    return md + "\n" + _bracket_pass(quick, threads, out)
+    return md + "\n" + _bracket_pass(quick, threads, out) + "\n" + _slice_pass(quick, threads, out)
 
 
 def _bracket_pass(quick: bool, threads: int, out) -> str:
@@ -212,3 +212,63 @@ def _bracket_pass(quick: bool, threads: int, out) -> str:
              "a sharded PrunAdag step (then only the candidates enter the radix passes, whose collectives also "
              "carry the norms); the pair is what it replaces. Rerun: `prunopt bench --only prunadag --out DIR`.")
     return write_results("prunadag_bracket", rows, environment(threads), notes, out)
+
+
+def _slice_pass(quick: bool, threads: int, out) -> str:
+    """A rank's first round of the sharded threshold: the fused
+    ``topk_slice`` (sample, bracket, one pass, histogram, window in one call)
+    against the same steps composed in Python (a strided sample, two
+    ``topk_threshold`` calls on it, ``topk_bracket``, ``torch.bincount``, the
+    window from another ``topk_bracket`` over the candidates), and beside
+    them the pass alone (``topk_bracket`` over the same bracket: the floor of
+    any exact select, which reads every value once). Verified first: the
+    composition gives the op's slice and window."""
+    import prunopt.distributed as D
+    from prunopt.ops import topk_bracket, topk_slice
+
+    torch.set_num_threads(threads)
+    total = 1_000_000 if quick else 5_000_000  # a rank's half of 10M
+    min_t = 0.3 if quick else 1.0
+    world, k = 2, int(0.2 * total)  # (the rank's share of the top 10 % of 2 x total)
+    buckets, slots = D._rank_buckets(world), D._window_slots(world)
+    cap = 2 * slots
+    rows = []
+    for layout, count in (("1 tensor", 1), ("50 tensors", 50)):
+        gs = [p.grad for p in _setup(_sizes(total, count))]
+        keys = [g.reshape(-1) for g in gs]
+
+        def composed():
+            own = D._OwnSlice(keys, k, world, buckets, torch.float32,
+                              bracket=lambda s: D._sample_bracket(keys, s, total, cap // 2),
+                              scan=lambda a, b: topk_bracket(keys, a, b))
+            got = own.window_range(-(-k // world), cap)
+            if got is None:
+                return own, ([0, 0, 0, -1], None)
+            lo, end = got
+            count, vals = topk_bracket(own.inside, D._bits_value(lo, torch.float32),
+                                       D._bits_value(end - 1, torch.float32))
+            return own, (own.window_head(own.above + int(count), lo, end, vals.numel()), vals.view(torch.int32))
+
+        head, hist, window, inside = topk_slice(gs, -(-k // world), buckets, cap)
+        own, (w_head, w_bits) = composed()
+        h = head.tolist()
+        own_hist = own.hist if own.hist.numel() else torch.zeros(h[4], dtype=torch.int64)
+        if (h[:6] != own.head or h[6:10] != w_head or not torch.equal(hist, own_hist)
+                or not torch.equal(window, w_bits)):
+            raise AssertionError("topk_slice and the composed steps disagree")
+        lo, hi = D._bits_value(h[10], torch.float32), D._bits_value(h[11] - 1, torch.float32)
+        times = interleaved_times({
+            "topk_slice (one call)": lambda: topk_slice(gs, -(-k // world), buckets, cap),
+            "composed in Python (sample, 2 topk_threshold, topk_bracket, bincount, window)": composed,
+            "pass alone (topk_bracket over the same bracket)": lambda: topk_bracket(gs, lo, hi),
+        }, 3 * min_t, threads)
+        base = times["composed in Python (sample, 2 topk_threshold, topk_bracket, bincount, window)"]
+        for name, t in times.items():
+            rows.append({"layout": layout, "contender": name, "median_ms": 1e3 * t, "vs_composed": t / base,
+                         "candidates": inside.numel(), "window": h[9]})
+    notes = (f"float32, N = {total:,} elements (one rank's half of a 2-rank threshold of the top 10 %), share "
+             f"{-(-k // world):,}, {buckets} grid buckets, windows of at most {cap} values, {threads} threads, 5 "
+             "alternating rounds. The op is what each rank runs before the sharded threshold's first collective; "
+             "the composition is the same steps as separate calls (what the sharded select ran before the op); "
+             "the pass alone is the floor. Rerun: `prunopt bench --only prunadag --out DIR`.")
+    return write_results("topk_slice", rows, environment(threads), notes, out)

@@ -1,5 +1,7 @@
 """prunAdag ops: the global top-T threshold ``topk_threshold`` (eq. 2.6) and
-the fused step ``prunadag_step_`` (called by :class:`prunopt.optim.PrunAdag`).
+the fused step ``prunadag_step_`` (called by :class:`prunopt.optim.PrunAdag`);
+``topk_bracket`` and ``topk_slice``, the local passes of the sharded threshold
+(:mod:`prunopt.distributed`).
 
 ``torch.ops.prunopt.prunadag_step_(params, opt_sums, dec_sums, grads, hyper,
 relevant, version, found_nonfinite=None, selection=None)`` updates one
@@ -25,7 +27,7 @@ from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.prunadag import topk_threshold_reference as _topk_threshold_reference
 
-__all__ = ["topk_threshold", "topk_bracket", "prunadag_norms", "prunadag_bracket", "PRUNADAG_DEVICES"]
+__all__ = ["topk_threshold", "topk_bracket", "topk_slice", "prunadag_norms", "prunadag_bracket", "PRUNADAG_DEVICES"]
 
 PRUNADAG_DEVICES = _kernel_devices("prunadag_step_")
 _THRESHOLD_DEVICES = _kernel_devices("topk_threshold")
@@ -123,6 +125,81 @@ def topk_bracket(values: TensorOrList, lo: float, hi: float):
 
 
 _BRACKET_DEVICES = _kernel_devices("topk_bracket")
+
+
+def _check_int(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    return v
+
+
+def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int):
+    r"""One rank's slice of the sharded top-k threshold, in one call: the
+    first round of :func:`prunopt.distributed.topk_threshold` on this rank's
+    values (prunAdag eq. 2.6 over values spread across ranks).
+
+    From a fixed strided sample of :math:`|v|` (about :math:`(6n)^{2/3}`
+    values in blocks of 128) the call brackets the ``share``-th largest
+    :math:`|v|`, widens the bracket to a grid of at most ``buckets`` buckets
+    of :math:`2^j` ulps aligned at multiples of :math:`2^j`, and reads the
+    values once (:func:`topk_bracket`): the count above the grid, the
+    candidates inside it, the finiteness check. The candidates' histogram on
+    the grid is the rank's *slice* (from every rank's slice, bounds on the
+    global count of :math:`|v| \ge t` for any ``t``); the candidates in the
+    grid buckets around the share, at most ``cap`` of them, are its
+    *window* (when ``tau`` lies inside every rank's window, the pooled
+    windows give it exactly). The full definition, step by step, is
+    :func:`prunopt.reference.prunadag.topk_slice_reference`, which the
+    compiled op equals bit for bit.
+
+    Args:
+        values: a tensor or a list of tensors, float32 or float64, one device
+            (an empty tensor stands for a rank without values).
+        share: the rank of the order statistic to bracket, from the largest
+            (``ceil(k / world)``; out of ``[1, n]``: every value is a candidate).
+        buckets: ``>= 1``, the most grid buckets.
+        cap: ``>= 0``, the most values in the window (0: no window).
+
+    Returns:
+        ``(head, hist, window, inside)``: int64 ``head = [n, above, start, j,
+        nb, bad, w_above, w_lo, w_end, w_m, scan_start, scan_stop]`` (bit
+        patterns of magnitudes: ``start``, ``w_lo``, ``w_end``, ``scan_*``;
+        ``bad = 1`` on a non-finite value, then no candidates and no window;
+        ``w_m = -1`` without a window), the int64 histogram of ``nb``
+        buckets, the window's bit patterns (int32 for float32, int64 for
+        float64) in index order and the candidates' :math:`|v|` in index
+        order. On CUDA the small steps between the two device ops run on the
+        host (the sharded select brackets on the CPU).
+
+    Raises:
+        TypeError: ``values`` not tensors, ``share``, ``buckets`` or ``cap``
+            not an int.
+        ValueError: an empty list, mixed dtypes or devices, a dtype other
+            than float32 or float64, ``buckets < 1``, ``cap < 0``.
+    """
+    from prunopt.reference.prunadag import topk_slice_reference
+
+    if isinstance(values, Tensor):
+        vals = [values]
+    elif isinstance(values, (list, tuple)) and values and all(isinstance(v, Tensor) for v in values):
+        vals = list(values)
+    else:
+        raise TypeError("values must be a Tensor or a non-empty list/tuple of Tensors")
+    share, buckets, cap = _check_int(share, "share"), _check_int(buckets, "buckets"), _check_int(cap, "cap")
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    if cap < 0:
+        raise ValueError(f"cap must be >= 0, got {cap}")
+    for i, v in enumerate(vals):
+        if v.dtype not in (torch.float32, torch.float64) or v.dtype != vals[0].dtype or v.device != vals[0].device:
+            raise ValueError(f"values[{i}] must be float32 or float64, of the dtype and device of values[0]")
+    if vals[0].device.type in _SLICE_DEVICES:
+        return torch.ops.prunopt.topk_slice(vals, share, buckets, cap)
+    out = topk_slice_reference(vals, share, buckets, cap)
+    return tuple(t.to(vals[0].device) for t in out)
+
+
+_SLICE_DEVICES = _kernel_devices("topk_slice")
 
 
 def prunadag_norms(params: List[Tensor], grads: List[Tensor], hyper: Tensor, tau: Tensor) -> Tensor:
@@ -235,6 +312,19 @@ if extension_available():
             raise ValueError(f"topk_bracket: lo and hi must be values of the values' dtype, got lo={lo}, hi={hi}")
         n = torch.library.get_ctx().new_dynamic_size()
         return values[0].new_empty((), dtype=torch.int64), values[0].new_empty(n)
+
+    @torch.library.register_fake("prunopt::topk_slice")
+    def _topk_slice_fake(values, share, buckets, cap):
+        _fc.check_topk_values(values, "topk_slice")
+        if buckets < 1:
+            raise ValueError(f"topk_slice: buckets must be >= 1, got {buckets}")
+        if cap < 0:
+            raise ValueError(f"topk_slice: cap must be >= 0, got {cap}")
+        ctx = torch.library.get_ctx()
+        v0 = values[0]
+        int_dtype = torch.int32 if v0.dtype == torch.float32 else torch.int64
+        return (v0.new_empty(12, dtype=torch.int64), v0.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
+                v0.new_empty(ctx.new_dynamic_size(), dtype=int_dtype), v0.new_empty(ctx.new_dynamic_size()))
 
     @torch.library.register_fake("prunopt::prunadag_norms")
     def _prunadag_norms_fake(params, grads, hyper, tau):

@@ -581,7 +581,7 @@ class _FusedShare:
 
     def window(self, share: int, slots: int):
         """Round 1's window for the one-collective select (the prunAdag form
-        of :meth:`prunopt.distributed._OwnSlice.window`, read back by
+        of the plain select's window, ``prunopt.ops.topk_slice``, read back by
         :func:`_window_select`): the candidates of whole grid buckets
         ``[lo, end)`` around this rank's share, each with its sign-matched
         ``x^2`` ``m``, as many as fit in ``slots`` after two for the sums

@@ -35,6 +35,7 @@ from prunopt.reference.prunadag import (  # noqa: E402
     resolve_relevant,
     support_norm_lmo_reference,
     topk_bracket_reference,
+    topk_slice_reference,
     topk_threshold_reference,
 )
 
@@ -46,6 +47,7 @@ __all__ += [
     "resolve_relevant",
     "support_norm_lmo_reference",
     "topk_bracket_reference",
+    "topk_slice_reference",
     "topk_threshold_reference",
 ]
 
@@ -84,6 +86,7 @@ REFERENCE_FOR_OP = {
     "project_budget_apply_": project_budget_apply_reference,
     "topk_threshold": topk_threshold_reference,
     "topk_bracket": topk_bracket_reference,
+    "topk_slice": topk_slice_reference,
     "prunadag_step_": prunadag_step_reference,
     "prunadag_norms": prunadag_norms_reference,
     "prunadag_bracket": prunadag_bracket_reference,

@@ -27,6 +27,7 @@ __all__ = [
     "step_lr",
     "topk_threshold_reference",
     "topk_bracket_reference",
+    "topk_slice_reference",
     "effective_grad",
     "prunadag_norms_reference",
     "prunadag_bracket_reference",
@@ -112,6 +113,152 @@ def topk_bracket_reference(values: Sequence[Tensor], lo: float, hi: float) -> Tu
     if not bool(torch.isfinite(flat).all()):
         raise ValueError("values contain a non-finite value")
     return (flat > hi).sum().to(torch.int64), flat[(flat >= lo) & (flat <= hi)]
+
+
+# topk_slice's fixed sample: about (6 n)^(2/3) values within [2^15, 2^20], in
+# blocks of 128 contiguous values at a fixed stride; the bracket spans the
+# sample's order statistics 5 binomial standard deviations (plus 8 ranks)
+# either side of the share.
+_SLICE_SAMPLE_MIN, _SLICE_SAMPLE_MAX, _SLICE_SAMPLE_BLOCK = 1 << 15, 1 << 20, 128
+_SLICE_SAMPLE_SCALE, _SLICE_SAMPLE_SIGMAS = 6.0, 5.0
+_SLICE_FORMATS = {torch.float32: (torch.int32, 0x7F7FFFFF), torch.float64: (torch.int64, 0x7FEFFFFFFFFFFFFF)}
+
+
+def _slice_sample(flat: List[Tensor], n: int) -> Tensor:
+    """``|v|`` of topk_slice's fixed sample of the flat tensors ``flat`` (``n``
+    values in all; all of them when they are few)."""
+    size = min(max(int((_SLICE_SAMPLE_SCALE * n) ** (2 / 3)), _SLICE_SAMPLE_MIN), _SLICE_SAMPLE_MAX)
+    if n <= size:
+        return torch.cat(flat).abs()
+    every = n // size  # one block (or one value) in `every`
+    parts = []
+    for v in flat:
+        nb = v.numel() // _SLICE_SAMPLE_BLOCK
+        if nb >= every:
+            parts.append(v[:nb * _SLICE_SAMPLE_BLOCK].view(nb, _SLICE_SAMPLE_BLOCK)[every // 2::every].reshape(-1))
+        else:
+            parts.append(v[every // 2::every])
+    return torch.cat(parts).abs()
+
+
+def _slice_bracket(sample: Tensor, share: int, n: int, spread: int) -> Tuple[float, float]:
+    """``(lo, hi)`` from the sample's order statistics around the share (all
+    values: exact), at least ``spread`` values either side; ``(0, inf)`` from
+    an empty or non-finite sample."""
+    ns = sample.numel()
+    if ns == 0 or not bool(torch.isfinite(sample).all()):
+        return 0.0, math.inf
+    q = share / n
+    p = q * ns
+    margin = 0.0 if ns == n else _SLICE_SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
+    margin = max(margin, spread * ns / n)
+    top, bottom = math.floor(p - margin), math.ceil(p + margin)  # ranks from the largest (1)
+    hi = math.inf if top < 1 else float(topk_threshold_reference([sample], top))
+    lo = 0.0 if bottom > ns else float(topk_threshold_reference([sample], bottom))
+    return lo, hi
+
+
+def _slice_grid(first: int, end: int, buckets: int) -> Tuple[int, int, int]:
+    """``(j, start, stop)``: buckets of ``2**j`` bit patterns aligned at
+    multiples of ``2**j``, at most ``buckets`` of them, covering ``[first, end)``."""
+    j = max(0, ((end - first - 1) // buckets).bit_length() - 1)
+    while -(-end >> j) - (first >> j) > buckets:
+        j += 1
+    return j, (first >> j) << j, -(-end >> j) << j
+
+
+def topk_slice_reference(values: Sequence[Tensor], share: int, buckets: int,
+                         cap: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""One rank's slice of the sharded top-k threshold (the oracle of the
+    ``topk_slice`` op; :func:`prunopt.distributed.topk_threshold`, step 1 of
+    its bracketed select). With :math:`n` values and bit patterns ``b(x)`` of
+    :math:`|x|` (int32 for float32, int64 for float64; their order is the
+    order of the magnitudes):
+
+    1. the sample: ``s = clamp(int((6 n)^{2/3}), 2^15, 2^20)`` values; all of
+       them when ``n <= s``, else, with ``e = n // s``, in each tensor the
+       blocks of 128 contiguous values numbered ``e//2, e//2 + e, ...`` (the
+       single values ``e//2, e//2 + e, ...`` of a tensor with fewer than ``e``
+       blocks);
+    2. the bracket ``[lo, hi]`` of the ``share``-th largest: with ``q =
+       share / n``, ``p = q s``, ``margin = 5 sqrt(max(p (1 - q), 1)) + 8``
+       (0 when the sample is every value) and at least ``(cap // 2) s / n``,
+       ``hi`` the ``floor(p - margin)``-th largest of the sample (``inf`` below
+       rank 1), ``lo`` the ``ceil(p + margin)``-th (0 beyond the sample);
+       ``[0, inf]`` when ``share`` is not in ``[1, n]`` or the sample is not
+       finite;
+    3. the grid: buckets of ``2^j`` bit patterns aligned at multiples of
+       ``2^j``, at most ``buckets``, from ``b(lo)`` to ``min(b(hi), top)``
+       (``top`` the largest finite); one read gives ``above``, the count of
+       ``|v|`` beyond the grid, and the candidates inside it (a non-finite
+       value: ``bad = 1``, ``above = 0``, no candidates); a bracket open above
+       then ends its grid at the largest candidate;
+    4. ``hist``: the candidates per grid bucket;
+    5. the window (``cap > 0``): the grid buckets around the one where the
+       count of values ``>=`` its start first reaches ``share``, as many
+       either side as hold at most ``cap`` candidates (none when that bucket
+       alone holds more: ``w_m = -1``): ``w_above`` values at or above its end
+       ``w_end``, its candidates' bit patterns in index order, ``w_lo = 0``
+       when nothing lies below it and ``w_end = top + 1`` when nothing lies
+       above.
+
+    Returns ``(head, hist, window, inside)``: int64 ``head = [n, above,
+    start, j, nb, bad, w_above, w_lo, w_end, w_m, scan_start, scan_stop]``
+    (``scan_*``: the bit patterns that were read, ``[scan_start,
+    scan_stop)``, before a bracket open above was narrowed), int64 ``hist`` of ``nb`` buckets, the window's bit patterns and
+    the candidates' ``|v|`` (index order)."""
+    dtype = values[0].dtype
+    int_dtype, top = _SLICE_FORMATS[dtype]
+    flat = [v.detach().reshape(-1) for v in values if v.numel()]
+    n = sum(v.numel() for v in flat)
+    head = [0] * 12
+    if n == 0:
+        head[8] = top + 1
+        return (torch.tensor(head, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                torch.empty(0, dtype=int_dtype), torch.empty(0, dtype=dtype))
+
+    def bits(x: float) -> int:  # (x >= 0)
+        return int(torch.tensor(x, dtype=dtype).view(int_dtype))
+
+    def value(b: int) -> float:
+        return float(torch.tensor(b, dtype=int_dtype).view(dtype))
+
+    lo, hi = _slice_bracket(_slice_sample(flat, n), share, n, cap // 2) if 1 <= share <= n else (0.0, math.inf)
+    first, end = bits(lo), min(top + 1 if hi == math.inf else bits(hi), top) + 1
+    j, start, stop = _slice_grid(first, end, buckets)
+    scan = (start, min(stop, top + 1))  # (the grid's end may pass the largest finite: what was read ends there)
+    bad = False
+    try:
+        above, inside = topk_bracket_reference(flat, value(start), value(min(stop - 1, top)))
+        above = int(above)
+    except ValueError:  # a non-finite value
+        bad, above, inside = True, 0, torch.empty(0, dtype=dtype)
+    keys = inside.view(int_dtype).to(torch.int64)
+    if hi == math.inf and keys.numel() and not bad:
+        j, start, stop = _slice_grid(start, int(keys.max()) + 1, buckets)
+    nb = (stop - start) >> j
+    hist = torch.bincount((keys - start) >> j, minlength=nb) if keys.numel() else torch.zeros(nb, dtype=torch.int64)
+    head[:6] = [n, above, start, j, nb, int(bad)]
+    head[9] = -1
+    head[10:12] = scan
+    window = torch.empty(0, dtype=int_dtype)
+    if cap > 0 and not bad:
+        ge = (hist.flip(0).cumsum(0).flip(0) + above).tolist() + [above]  # ge[i]: values >= start + i 2^j
+        centre = max(sum(1 for i in range(nb) if ge[i] >= share) - 1, 0)
+        radius = -1
+        for r in range(nb + 1):  # the widest radius whose buckets hold at most cap candidates
+            if ge[max(centre - r, 0)] - ge[min(centre + 1 + r, nb)] > cap:
+                break
+            radius = r
+        if radius >= 0:
+            w_lo = start + (max(centre - radius, 0) << j)
+            w_end = min(start + (min(centre + 1 + radius, nb) << j), top + 1)
+            inw = (keys >= w_lo) & (keys < w_end)
+            window = keys[inw].to(int_dtype)
+            w_above = above + int((keys >= w_end).sum())
+            m = window.numel()
+            head[6:10] = [w_above, w_lo if w_above + m < n else 0, w_end if w_above else top + 1, m]
+    return torch.tensor(head, dtype=torch.int64), hist, window, inside
 
 
 def prunadag_bracket_reference(params: List[Tensor], grads: List[Tensor], hypers: List[TensorHyper],

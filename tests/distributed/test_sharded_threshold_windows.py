@@ -111,17 +111,19 @@ def test_beyond_eight_ranks_there_are_no_windows():
 
 @pytest.mark.parametrize("kind", ["randn", "ties", "tiny"])
 def test_a_window_counts_exactly_inside_its_range(kind):
-    """The window's contract: for every bit pattern ``t`` in ``[lo, end)``
-    the rank has exactly ``a + #{window >= t}`` values ``|v| >= t``, and the
+    """The window's contract (what the select's first collective carries,
+    from ``topk_slice``): for every bit pattern ``t`` in ``[lo, end)`` the
+    rank has exactly ``a + #{window >= t}`` values ``|v| >= t``, and the
     window's values are this rank's values in that range."""
+    from prunopt.ops import topk_slice
+
     dtype = torch.float32
     x = _rank_data(dtype, [50_000], kind, [1.0], 3)[0][0]
-    keys = [x]
     slots = D._window_slots(2)
-    own = D._OwnSlice(keys, 20_000, 2, D._rank_buckets(2), dtype,
-                      bracket=lambda s: D._sample_bracket(keys, s, x.numel(), slots))
-    (a, lo, end, m), bits = own.window(10_000, slots)
+    _, (head, bits) = D._OwnSlice.of_op([x], 20_000, 2, D._rank_buckets(2), 2 * slots)
+    a, lo, end, m = head
     assert 0 <= m <= 2 * slots and bits.numel() == m
+    assert torch.equal(bits, topk_slice(x, 10_000, D._rank_buckets(2), 2 * slots)[2])
     mags = x.abs().view(torch.int32).long()
     inside = mags[(mags >= lo) & (mags < end)]
     assert sorted(inside.tolist()) == sorted(bits.long().tolist())
@@ -130,5 +132,6 @@ def test_a_window_counts_exactly_inside_its_range(kind):
 
 
 def test_an_empty_rank_has_an_open_window():
-    head, bits = D._OwnSlice([], 5, 2, D._rank_buckets(2), torch.float32).window(3, D._window_slots(2))
+    own, (head, bits) = D._OwnSlice.of_op([torch.empty(0)], 5, 2, D._rank_buckets(2), 2 * D._window_slots(2))
     assert head == [0, 0, D._max_finite_bits(torch.float32) + 1, 0] and bits is None
+    assert own.n_r == 0 and own.head == [0] * D._SLICE_HEAD

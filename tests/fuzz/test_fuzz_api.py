@@ -34,7 +34,7 @@ import prunopt.pruning as ppr
 from prunopt.reference import (TensorHyper, fb_conv2d_reference, fb_reconstruct_reference,
                                prunadag_bracket_reference, prunadag_norms_reference, project_budget_reference,
                                project_budget_apply_reference, project_budget_bracket_reference,
-                               rgf_relu_reference, sparse_gate_reference, topk_bracket_reference,
+                               rgf_relu_reference, sparse_gate_reference, topk_bracket_reference, topk_slice_reference,
                                topk_threshold_reference, two_temperature_sigmoid_reference)
 
 from _fuzz import assert_clean_error, call, fuzz_settings, same_bits, tensor
@@ -126,6 +126,12 @@ def _check_bracket(out, kw):
     assert torch.equal(out[0], above) and torch.equal(out[1], cands)
 
 
+def _check_slice(out, kw):
+    values = [kw["values"]] if isinstance(kw["values"], torch.Tensor) else kw["values"]
+    want = topk_slice_reference(values, kw["share"], kw["buckets"], kw["cap"])
+    assert all(torch.equal(o, w) for o, w in zip(out, want))
+
+
 def _check_prunadag_bracket(out, kw):
     hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5]))
               for r in kw["hyper"].tolist()]
@@ -160,6 +166,9 @@ ENTRIES: Dict[str, Entry] = {
     "ops.topk_bracket": Entry(pops.topk_bracket, lambda: dict(values=[tensor((7,), torch.float32, 1),
                                                               tensor((3,), torch.float32, 2)], lo=0.25, hi=1.5),
                               check=lambda out, kw: _check_bracket(out, kw)),
+    "ops.topk_slice": Entry(pops.topk_slice, lambda: dict(values=[tensor((7,), torch.float32, 1),
+                                                          tensor((3,), torch.float32, 2)], share=3, buckets=8, cap=4),
+                            check=lambda out, kw: _check_slice(out, kw)),
     "ops.prunadag_norms": Entry(pops.prunadag_norms, lambda: dict(
         params=[tensor((5,), torch.float32, 1), tensor((2, 3), torch.float32, 2)],
         grads=[tensor((5,), torch.float32, 3), tensor((2, 3), torch.float32, 4)],

@@ -35,7 +35,7 @@ from prunopt.reference import (REFERENCE_FOR_OP, TensorHyper, project_budget_app
                                fb_reconstruct_reference, prunadag_bracket_reference, prunadag_norms_reference,
                                prunadag_step_reference, project_budget_sort, rgf_relu_backward_reference,
                                rgf_relu_reference, sparse_gate_backward_reference, sparse_gate_reference,
-                               topk_bracket_reference, topk_threshold_reference,
+                               topk_bracket_reference, topk_slice_reference, topk_threshold_reference,
                                two_temperature_sigmoid_backward_reference, two_temperature_sigmoid_reference)
 from prunopt.testing import tolerance
 
@@ -364,6 +364,28 @@ def _topk_bracket(d) -> Case:
         faults.append(Fault("nan values", lambda x: _with(x, 0, [_spoil(v, math.nan) if v.numel() else v
                                                                  for v in x[0]]), ["values"], data=True))
     return Case(torch.ops.prunopt.topk_bracket, [values, lo, hi], check, faults)
+
+
+def _topk_slice(d) -> Case:
+    dtype, values = _selection_values(d)
+    n = sum(v.numel() for v in values)
+    share = d.draw(st.integers(-1, n + 1), label="share")
+    buckets = d.draw(st.sampled_from([1, 3, 64, 2042]), label="buckets")
+    cap = d.draw(st.sampled_from([0, 1, 16, 8184]), label="cap")
+
+    def check(out, after):
+        want = topk_slice_reference(values, share, buckets, cap)
+        assert all(same_bits(o, w) for o, w in zip(out, want))
+
+    faults = [Fault("buckets = 0", lambda x: _with(x, 2, 0), ["buckets"]),
+              Fault("negative cap", lambda x: _with(x, 3, -1), ["cap"]),
+              Fault("share float", lambda x: _with(x, 1, 1.5), ["share"]),
+              Fault("empty values", lambda x: _with(x, 0, []), ["values"]),
+              Fault("int values", lambda x: _with(x, (0, 0), _int_like(x[0][0])), ["values"]),
+              Fault("None values", lambda x: _with(x, (0, 0), None), ["values"]),
+              Fault("mixed dtypes", lambda x: _with(x, 0, x[0] + [torch.zeros(2, dtype=F64 if dtype == F32 else F32)]),
+                    ["values"])]
+    return Case(torch.ops.prunopt.topk_slice, [values, share, buckets, cap], check, faults)
 
 
 def _prunadag_lists(d, dtype):
@@ -789,6 +811,7 @@ BUILDERS = {
     "project_budget_apply_": _projection_apply,
     "topk_threshold": _topk,
     "topk_bracket": _topk_bracket,
+    "topk_slice": _topk_slice,
     "prunadag_step_": _prunadag,
     "prunadag_norms": _prunadag_norms,
     "prunadag_bracket": _prunadag_bracket,

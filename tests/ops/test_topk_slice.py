@@ -1,0 +1,192 @@
+"""topk_slice (one rank's slice of the sharded top-k threshold): the compiled
+op against its pure-PyTorch reference bit for bit, the invariants that the
+sharded select relies on, opcheck and errors."""
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+
+import prunopt
+from prunopt.ops import topk_slice
+from prunopt.reference.prunadag import topk_slice_reference
+
+needs_ext = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
+
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
+_TOP = {torch.float32: 0x7F7FFFFF, torch.float64: 0x7FEFFFFFFFFFFFFF}
+
+
+def _values(sizes, dtype, seed, ties, scale):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        v = torch.randn(n, generator=g, dtype=torch.float64) * scale
+        if ties:
+            v = (v * 2).round() / 2  # many equal magnitudes, zeros and +-0
+        out.append(v.to(dtype))
+    return out
+
+
+def _same(a, b):
+    """Equal bit for bit (floats compared through their bit patterns)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
+    return torch.equal(a, b)
+
+
+def _check_invariants(values, share, buckets, cap, out):
+    """What the sharded select relies on, from the values themselves."""
+    head, hist, window, inside = out
+    dtype = values[0].dtype
+    h = head.tolist()
+    n, above, start, j, nb, bad = h[:6]
+    w_above, w_lo, w_end, w_m = h[6:10]
+    scan_start, scan_stop = h[10:12]
+    flat = torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0, dtype=dtype)
+    assert n == flat.numel()
+    if n == 0:
+        assert h == [0] * 8 + [_TOP[dtype] + 1, 0, 0, 0]
+        return
+    if not bool(torch.isfinite(flat).all()):
+        assert bad == 1 and above == 0 and inside.numel() == 0 and w_m == -1
+        return
+    bits = flat.abs().view(_INT[dtype]).long()
+    assert bad == 0
+    # what was read: the count beyond it and the candidates inside it, in index order
+    assert above == int((bits >= scan_stop).sum())
+    assert _same(inside, flat.abs()[(bits >= scan_start) & (bits < scan_stop)])
+    # the grid: nb buckets of 2^j from start, at most `buckets`, aligned, holding every candidate
+    assert 1 <= nb <= buckets and start % (1 << j) == 0 and start >= scan_start
+    keys = inside.view(_INT[dtype]).long()
+    assert int(hist.sum()) == inside.numel() and hist.numel() == nb
+    if keys.numel():
+        assert torch.equal(hist, torch.bincount((keys - start) >> j, minlength=nb))
+    if w_m < 0:
+        assert window.numel() == 0
+        return
+    assert cap > 0 and w_m == window.numel() <= cap
+    # the window's promise: for every t in [w_lo, w_end), #{|v| >= t} = w_above + #{window >= t}
+    w = window.long()
+    for t in sorted({w_lo, w_end - 1, *w.tolist()[:50]}):
+        if w_lo <= t < w_end:
+            assert int((bits >= t).sum()) == w_above + int((w >= t).sum()), t
+
+
+@needs_ext
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 7, 300, 4097, 40000, 150000]), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    scale=st.sampled_from([1e-30, 1.0, 1e6]),
+    q=st.floats(-0.1, 1.1),
+    buckets=st.sampled_from([1, 7, 64, 2042]),
+    cap=st.sampled_from([0, 1, 100, 8184]),
+    nonfinite=st.sampled_from([None, math.inf, math.nan]),
+)
+@example(sizes=[150000], dtype=torch.float32, seed=0, ties=False, scale=1.0, q=0.05, buckets=2042, cap=8184,
+         nonfinite=None)
+@example(sizes=[40000, 7], dtype=torch.float64, seed=3, ties=True, scale=1.0, q=0.5, buckets=64, cap=100,
+         nonfinite=None)
+@example(sizes=[300], dtype=torch.float32, seed=1, ties=False, scale=1.0, q=0.5, buckets=7, cap=8184,
+         nonfinite=math.nan)
+def test_slice_matches_reference(sizes, dtype, seed, ties, scale, q, buckets, cap, nonfinite):
+    values = _values(sizes, dtype, seed, ties, scale)
+    n = sum(sizes)
+    if nonfinite is not None and n:
+        i = next(i for i, v in enumerate(values) if v.numel())
+        values[i][seed % values[i].numel()] = nonfinite
+    share = int(round(q * n))
+    got = torch.ops.prunopt.topk_slice(values, share, buckets, cap)
+    want = topk_slice_reference(values, share, buckets, cap)
+    for g, w in zip(got, want):
+        assert _same(g, w)
+    _check_invariants(values, share, buckets, cap, got)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_slice_samples_blocks_and_single_values(dtype):
+    """A list where some tensors hold whole sample blocks and others fewer
+    blocks than the stride (sampled one value at a time), non-contiguous and
+    multi-dimensional tensors among them, and shares at both ends."""
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(400, 300, generator=g, dtype=dtype).t(), torch.randn(1000, generator=g, dtype=dtype),
+              torch.randn(3, 50, generator=g, dtype=dtype), torch.randn(60000, generator=g, dtype=dtype)]
+    n = sum(v.numel() for v in values)
+    for share in (1, 2, n // 7, n // 2, n - 1, n):
+        got = topk_slice(values, share, 2042, 8184)
+        want = topk_slice_reference(values, share, 2042, 8184)
+        assert all(_same(a, b) for a, b in zip(got, want)), share
+        _check_invariants(values, share, 2042, 8184, got)
+
+
+@needs_ext
+def test_slice_of_a_rank_without_values_and_a_bracket_open_above():
+    for dtype in (torch.float32, torch.float64):
+        empty = [torch.empty(0, dtype=dtype)]
+        got = torch.ops.prunopt.topk_slice(empty, 1, 64, 100)
+        assert got[0].tolist() == [0] * 8 + [_TOP[dtype] + 1, 0, 0, 0]
+        assert got[1].numel() == got[2].numel() == got[3].numel() == 0
+        assert got[2].dtype == _INT[dtype] and got[3].dtype == dtype
+        # share 1 of a few values: the bracket opens above, the grid ends at the largest
+        v = [torch.tensor([0.5, -3.0, 2.0], dtype=dtype)]
+        head = torch.ops.prunopt.topk_slice(v, 1, 64, 100)[0].tolist()
+        largest = int(torch.tensor(3.0, dtype=dtype).view(_INT[dtype]))
+        assert head[2] + (head[4] << head[3]) > largest >= head[2] + ((head[4] - 1) << head[3])
+        _check_invariants(v, 1, 64, 100, torch.ops.prunopt.topk_slice(v, 1, 64, 100))
+
+
+def test_wrapper_reference_path_matches_op(monkeypatch):
+    """Without a kernel for the device the wrapper runs the reference (the
+    same results)."""
+    import prunopt.ops.prunadag as P
+
+    values = _values([5000, 33], torch.float32, 2, True, 1.0)
+    want = topk_slice_reference(values, 700, 64, 500)
+    monkeypatch.setattr(P, "_SLICE_DEVICES", frozenset())
+    got = P.topk_slice(values, 700, 64, 500)
+    assert all(_same(a, b) for a, b in zip(got, want))
+
+
+@needs_ext
+@pytest.mark.parametrize("args, match", [
+    (([], 1, 64, 0), "values must not be empty"),
+    (([torch.ones(3, dtype=torch.int32)], 1, 64, 0), "float32 or float64"),
+    (([torch.ones(3), torch.ones(2, dtype=torch.float64)], 1, 64, 0), r"values\[1\] must have dtype"),
+    (([torch.ones(3)], 1, 0, 0), "buckets must be >= 1"),
+    (([torch.ones(3)], 1, 64, -1), "cap must be >= 0"),
+])
+def test_slice_op_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.prunopt.topk_slice(*args)
+
+
+def test_slice_wrapper_errors():
+    with pytest.raises(TypeError, match="values"):
+        topk_slice([], 1, 64, 0)
+    with pytest.raises(TypeError, match="share"):
+        topk_slice(torch.ones(3), 1.5, 64, 0)
+    with pytest.raises(TypeError, match="buckets"):
+        topk_slice(torch.ones(3), 1, True, 0)
+    with pytest.raises(TypeError, match="cap"):
+        topk_slice(torch.ones(3), 1, 64, None)
+    with pytest.raises(ValueError, match="buckets must be >= 1"):
+        topk_slice(torch.ones(3), 1, 0, 0)
+    with pytest.raises(ValueError, match="cap must be >= 0"):
+        topk_slice(torch.ones(3), 1, 64, -2)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        topk_slice(torch.ones(3, dtype=torch.float16), 1, 64, 0)
+
+
+@needs_ext
+def test_slice_opcheck():
+    g = torch.Generator().manual_seed(0)
+    for args in (([torch.randn(5, 3, generator=g), torch.randn(7, generator=g)], 4, 64, 8),
+                 ([torch.randn(40000, generator=g, dtype=torch.float64)], 4000, 2042, 8184),
+                 ([torch.empty(0)], 1, 64, 0)):
+        torch.library.opcheck(torch.ops.prunopt.topk_slice.default, args)
