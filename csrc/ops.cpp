@@ -87,14 +87,16 @@ TORCH_LIBRARY(prunopt, m) {
   // (the candidates; what the sharded threshold selects among).
   m.def("topk_bracket(Tensor[] values, float lo, float hi) -> (Tensor, Tensor)");
   // One rank's slice of the sharded threshold's first round: from a fixed
-  // strided sample of |v| a bracket of the share-th largest, widened to a grid
+  // strided sample of |v| (about (6 n)^(2/3) values within [sample[0],
+  // sample[1]], blocks of sample[2]) a bracket of the share-th largest, widened to a grid
   // of at most `buckets` buckets of 2^j ulps, read in one topk_bracket pass;
   // returns the int64 head [n_r, above, start, j, nb, bad, w_above, w_lo,
   // w_end, w_m, scan_start, scan_stop], the candidates' histogram on the grid
   // (int64, nb), the window (bit patterns of the candidates in the grid
   // buckets around the share, at most `cap`; int32 for float32, int64 for
   // float64) and the candidates (|v| inside the bracket, index order).
-  m.def("topk_slice(Tensor[] values, int share, int buckets, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("topk_slice(Tensor[] values, int share, int buckets, int cap, int[] sample) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
   // prunAdag's bracket pass over one scope's local part (effective gradients
   // ge = +-g + weight_decay x of the pruned tensors, bracket [lo, hi] of |ge|):
   // float64 [#{|ge| > hi}, sum ge^2 over |ge| > hi, sum x^2 over |ge| < lo with
@@ -105,6 +107,15 @@ TORCH_LIBRARY(prunopt, m) {
   // them (no second pass over g and x).
   m.def("prunadag_bracket(Tensor[] params, Tensor[] grads, Tensor hyper, float lo, float hi) "
       "-> (Tensor, Tensor, Tensor)");
+  // prunAdag's form of topk_slice: the sample is of the effective gradients,
+  // the pass is prunadag_bracket's; returns the int64 head (topk_slice's), the
+  // float64 sums [G, X, G_w, X_w] (G, X: prunadag_bracket's outside the
+  // bracket; G_w = G + the candidates' c^2 at or above the window, X_w = X +
+  // their m below it), the histogram, the window's bit patterns and m, and
+  // the candidates with their m.
+  m.def("prunadag_slice(Tensor[] params, Tensor[] grads, Tensor hyper, int share, int buckets, int cap, "
+      "int[] sample) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // Differentiable sparsification (Lee) and two-temperature
   // architecture pruning (Colombo & Gao). Kernels: csrc/cpu/{rgf_relu,

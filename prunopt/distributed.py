@@ -1022,61 +1022,21 @@ def _max_finite_bits(dtype: torch.dtype) -> int:
 
 
 class _OwnSlice:
-    """Step 1 of :func:`_bracket_select` on this rank: the grid-aligned bracket
-    ``[start, stop)`` (bit patterns; ``2**j`` per bucket, ``buckets`` at
-    most), the fused pass over the values (the count above the bracket, the
-    candidates inside it, the non-finite flag) and the candidates' histogram;
-    ``head`` is the slice's fixed fields.
+    """Step 1 of :func:`_bracket_select` on this rank, as the fused ops give
+    it (``prunopt.ops.topk_slice``, or prunAdag's ``prunadag_slice``): the
+    grid-aligned bracket ``[start, stop)`` (bit patterns; ``2**j`` per
+    bucket), the pass's count above it, its candidates ``inside`` and its
+    non-finite flag, the candidates' histogram ``hist`` on the grid, and the
+    bit patterns ``scanned`` that the pass read; ``head`` is the slice's
+    fixed fields (what the first collective carries), ``more`` what the pass
+    gave besides (prunAdag's sums and the candidates' ``m``)."""
 
-    ``values`` are this rank's flat values (``n_r``, their count, is its
-    ``n``). ``bracket(share)`` gives ``(lo, hi)``, values of the dtype, that
-    likely hold the ``share``-th largest (default: from a strided sample of
-    ``|values|``, :func:`_sample_bracket`); ``scan(lo, hi)`` reads the values
-    once and returns ``(above, inside, *more)``, the count of ``> hi`` and
-    the candidates in ``[lo, hi]`` (default: ``topk_bracket`` over
-    ``values``), raising ``ValueError`` on a non-finite value; ``more`` is
-    kept as it is. prunAdag's fused select passes its own (the effective
-    gradients' sample and its ``prunadag_bracket`` pass, which also checks
-    tensors that are not among the values, so a given ``scan`` runs, over
-    ``[0, 0]``, on a rank without values too)."""
-
-    def __init__(self, values: List[Tensor], k: int, world: int, buckets: int, dtype: torch.dtype,
-                 bracket=None, scan=None):
-        self.dtype, self.n_r = dtype, sum(v.numel() for v in values)
-        self.above, self.start, self.stop, self.j, self.bad = 0, 0, 0, 0, False
-        self.scanned = (0, 0)
-        self.inside = torch.empty(0, dtype=dtype)
-        self.hist = torch.zeros(0, dtype=torch.int64)
-        self.more = ()
-        if not self.n_r:
-            if scan is not None:
-                self._scan(scan, 0.0, 0.0)
-            self.head = [0] * (_SLICE_HEAD - 1) + [int(self.bad)]
-            return
-        share = -(-k // world)
-        top = _max_finite_bits(dtype)
-        if bracket is None:
-            def bracket(s):
-                return _sample_bracket(values, s, self.n_r)
-        # all of this rank's values where its share exceeds them (or k is out
-        # of range, which the collective reports on every rank)
-        lo, hi = bracket(share) if 1 <= share <= self.n_r else (0.0, math.inf)
-        first, end = _value_bits(lo, dtype), min(_value_bits(hi, dtype), top) + 1
-        self._grid(first, end, buckets)
-        if scan is None:
-            def scan(a, b):
-                return _topk_bracket(values, a, b)
-        self._scan(scan, _bits_value(self.start, dtype), _bits_value(min(self.stop - 1, top), dtype))
-        self.scanned = (self.start, self.stop)  # (what covers() asks about)
-        if hi == math.inf and self.inside.numel() and not self.bad:
-            # a bracket open above: the grid ends at the largest candidate (nothing
-            # lies beyond it), not at the largest float
-            self._grid(self.start, int(self.inside.view(_RADIX[dtype].int_dtype).max()) + 1, buckets)
-        j, nb = self.j, (self.stop - self.start) >> self.j
-        if self.inside.numel():
-            off = self.inside.view(_RADIX[dtype].int_dtype).sub(self.start).bitwise_right_shift_(j)
-            self.hist = torch.bincount(off, minlength=nb)
-        self.head = [self.n_r, self.above, self.start, j, nb, int(self.bad)]
+    def __init__(self, h: List[int], hist: Tensor, inside: Tensor, dtype: torch.dtype, more: tuple = ()):
+        self.dtype, self.n_r, self.above, self.start, self.j, self.bad = dtype, h[0], h[1], h[2], h[3], bool(h[5])
+        self.stop = self.start + (h[4] << self.j)
+        self.scanned = (h[10], h[11])
+        self.inside, self.hist, self.more = inside, hist, more
+        self.head = h[:_SLICE_HEAD]
 
     @classmethod
     def of_op(cls, values: List[Tensor], k: int, world: int, buckets: int,
@@ -1086,31 +1046,9 @@ class _OwnSlice:
         window of at most ``cap`` values: the candidates of whole grid
         buckets around the share, see :meth:`window_range`):
         ``(slice, (window head, window bits or None))``."""
-        head, hist, bits, inside = torch.ops.prunopt.topk_slice(values, -(-k // world), buckets, cap)
+        head, hist, bits, inside = torch.ops.prunopt.topk_slice(values, -(-k // world), buckets, cap, _sample_shape())
         h = head.tolist()
-        self = cls.__new__(cls)
-        self.dtype, self.n_r, self.above, self.start, self.j, self.bad = values[0].dtype, h[0], h[1], h[2], h[3], \
-            bool(h[5])
-        self.stop = self.start + (h[4] << self.j)
-        self.scanned = (h[10], h[11])
-        self.inside, self.hist, self.more = inside, hist, ()
-        self.head = h[:_SLICE_HEAD]
-        return self, (h[6:10], bits if h[9] > 0 else None)
-
-    def _grid(self, first: int, end: int, buckets: int) -> None:
-        """The grid of ``2**j`` ulps aligned at multiples of ``2**j``, at most
-        ``buckets`` buckets, from ``first`` to ``end`` (bit patterns)."""
-        j = max(0, ((end - first - 1) // buckets).bit_length() - 1)
-        while -(-end >> j) - (first >> j) > buckets:
-            j += 1
-        self.j, self.start, self.stop = j, (first >> j) << j, -(-end >> j) << j
-
-    def _scan(self, scan, lo: float, hi: float) -> None:
-        try:
-            count, self.inside, *more = scan(lo, hi)
-            self.above, self.more = int(count), tuple(more)
-        except ValueError:  # the passes' only ValueError on checked arguments: a non-finite value
-            self.bad = True
+        return cls(h, hist, inside, values[0].dtype), (h[6:10], bits if h[9] > 0 else None)
 
     def window_range(self, share: int, cap: int) -> Optional[Tuple[int, int]]:
         """The bit patterns ``[lo, end)`` of whole grid buckets around the
@@ -1392,87 +1330,22 @@ def _select_in_bracket(cands: Tensor, groups: List, k: int, above: int, bad: boo
     return tau, math.fsum(s_ge), math.fsum(s_lt), tail[3:]
 
 
-# The sample that brackets a rank's order statistic: blocks of _SAMPLE_BLOCK
-# contiguous values taken at a fixed stride (no random draw: every run sees the
-# same bracket), about (6 n_r)^(2/3) values in all within [_SAMPLE_MIN,
-# _SAMPLE_MAX] (the sample's cost grows with its size, the candidates' as
-# n_r / sqrt(size)); the bracket spans the sample's order statistics this many
-# standard deviations of a binomial count (plus a few ranks) either side of the
-# share.
+# The sample that brackets a rank's order statistic (in the fused ops
+# topk_slice and prunadag_slice, which take these sizes): blocks of
+# _SAMPLE_BLOCK contiguous values taken at a fixed stride (no random draw:
+# every run sees the same bracket), about (6 n_r)^(2/3) values in all within
+# [_SAMPLE_MIN, _SAMPLE_MAX] (the sample's cost grows with its size, the
+# candidates' as n_r / sqrt(size)); the bracket spans the sample's order
+# statistics 5 standard deviations of a binomial count (plus 8 ranks) either
+# side of the share.
 _SAMPLE_MIN, _SAMPLE_MAX, _SAMPLE_BLOCK = 1 << 15, 1 << 20, 128
-_SAMPLE_SCALE = 6.0
-_SAMPLE_SIGMAS = 5.0
 # _radix_select's answer when the bracket missed (see _bracket_select)
 _MISSED = object()
 
 
-def _sample_views(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> List[Tensor]:
-    """Strided views of a fixed sample of the flat ``keys`` (``n_r`` values in
-    all), one per key (the keys themselves when they are few): about
-    ``(scale n_r)^(2/3)`` values within ``[_SAMPLE_MIN, _SAMPLE_MAX]``, blocks
-    of ``_SAMPLE_BLOCK`` contiguous values at a fixed stride; tensors of one
-    shape are sampled alike."""
-    scale = _SAMPLE_SCALE if scale is None else scale
-    size = min(max(int((scale * n_r) ** (2 / 3)), _SAMPLE_MIN), _SAMPLE_MAX)
-    if n_r <= size:
-        return list(keys)
-    every = n_r // size  # one value (one block) in `every`
-    views = []
-    for v in keys:
-        nb = v.numel() // _SAMPLE_BLOCK
-        if nb >= every:
-            views.append(v[:nb * _SAMPLE_BLOCK].view(nb, _SAMPLE_BLOCK)[every // 2::every])
-        else:
-            views.append(v[every // 2::every])
-    return views
-
-
-def _sample_parts(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> List[Tensor]:
-    """:func:`_sample_views` flattened (copies)."""
-    return [v.reshape(-1) for v in _sample_views(keys, n_r, scale)]
-
-
-def _sample(keys: List[Tensor], n_r: int, scale: Optional[float] = None) -> Tensor:
-    """``|v|`` of a fixed sample of ``keys`` (all of them when they are few),
-    written once into one new tensor (each copy of a sample of a large shard
-    pays for fresh pages)."""
-    views = _sample_views(keys, n_r, scale)
-    out = torch.empty(sum(v.numel() for v in views), dtype=keys[0].dtype, device=keys[0].device)
-    at = 0
-    for v in views:
-        torch.abs(v, out=out[at:at + v.numel()].view(v.shape))
-        at += v.numel()
-    return out
-
-
-def _sample_bracket(keys: List[Tensor], share: int, n_r: int, spread: int = 0) -> Tuple[float, float]:
-    """``(lo, hi)`` in the dtype of ``keys``, with ``lo <= t <= hi`` for the
-    ``share``-th largest ``|v|`` ``t`` of ``keys`` with high probability
-    (certainly when the sample is all of ``keys``; ``hi`` may be ``inf``),
-    and (about) ``spread`` values either side of ``t`` at least.
-    A non-finite sample value gives the widest bracket (the fused pass then
-    reports it)."""
-    return _bracket_of_sample(_sample(keys, n_r), share, n_r, spread)
-
-
-def _bracket_of_sample(sample: Tensor, share: int, n_r: int, spread: int = 0) -> Tuple[float, float]:
-    """:func:`_sample_bracket` from the sample's ``|v|`` (all ``n_r`` values
-    of the rank when ``sample`` has as many)."""
-    ns = sample.numel()
-    if ns == 0:
-        return 0.0, math.inf
-    q = share / n_r  # the share's place from the top, as a fraction
-    p = q * ns
-    margin = 0 if ns == n_r else _SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
-    margin = max(margin, spread * ns / n_r)
-    top = int(math.floor(p - margin))      # ranks from the top (1 = the largest)
-    bottom = int(math.ceil(p + margin))
-    try:
-        hi = math.inf if top < 1 else float(_topk_threshold_one([sample], top))
-        lo = 0.0 if bottom > ns else float(_topk_threshold_one([sample], bottom))
-    except ValueError:  # the op's only ValueError on checked arguments: a non-finite value
-        return 0.0, math.inf
-    return lo, hi
+def _sample_shape() -> List[int]:
+    """The sample's shape that the fused ops take: ``[min, max, block]``."""
+    return [_SAMPLE_MIN, _SAMPLE_MAX, _SAMPLE_BLOCK]
 
 
 def _topk_threshold_or_none(values: List[Tensor], k: int, group: Group = None) -> Optional[Tensor]:

@@ -67,7 +67,8 @@ TORCH_LIBRARY_IMPL(prunopt, BackendSelect, m) {
   for (const char* name : {"project_budget", "project_budget_", "project_budget_bracket", "project_budget_apply_",
            "fb_reconstruct", "fb_reconstruct_backward",
            "fb_conv2d", "fb_conv2d_csr", "topk_threshold", "prunadag_step_", "prunadag_norms", "topk_bracket",
-           "prunadag_bracket", "topk_slice", "rgf_relu", "rgf_relu_backward", "sparse_gate", "sparse_gate_backward",
+           "prunadag_bracket", "topk_slice", "prunadag_slice", "rgf_relu", "rgf_relu_backward", "sparse_gate",
+           "sparse_gate_backward",
            "two_temperature_sigmoid", "two_temperature_sigmoid_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&prunopt::require_a_tensor>());
   }

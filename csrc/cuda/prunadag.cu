@@ -822,6 +822,7 @@ TORCH_LIBRARY_IMPL(prunopt, CUDA, m) {
   m.impl("prunadag_norms", &prunopt::cuda::prunadag_norms_cuda);
   m.impl("topk_bracket", &prunopt::cuda::topk_bracket_cuda);
   m.impl("prunadag_bracket", &prunopt::cuda::prunadag_bracket_cuda);
-  // host logic around topk_threshold and topk_bracket (csrc/cpu/topk_slice.cpp)
+  // host logic around topk_threshold, topk_bracket and prunadag_bracket (csrc/cpu/topk_slice.cpp)
   m.impl("topk_slice", &prunopt::topk_slice);
+  m.impl("prunadag_slice", &prunopt::prunadag_slice);
 }

@@ -160,7 +160,8 @@ def run(quick: bool, threads: int, out) -> str:
              "faster than torch.kthvalue; fused >= 100x faster than the single-tensor path. "
              "Rerun: `PYTHONPATH=. python -m bench.run --only prunadag`.")
     md = write_results("prunadag", rows, environment(threads), notes, out)
-    return md + "\n" + _bracket_pass(quick, threads, out) + "\n" + _slice_pass(quick, threads, out)
+    return (md + "\n" + _bracket_pass(quick, threads, out) + "\n" + _slice_pass(quick, threads, out) + "\n"
+            + _prunadag_slice_pass(quick, threads, out))
 
 
 def _bracket_pass(quick: bool, threads: int, out) -> str:
@@ -172,7 +173,7 @@ def _bracket_pass(quick: bool, threads: int, out) -> str:
     norms). Verified first: the same candidates, and the norms completed from
     the candidates equal prunadag_norms' within float rounding."""
     import prunopt.distributed as D
-    from prunopt.ops import prunadag_bracket, prunadag_norms, topk_bracket
+    from prunopt.ops import prunadag_bracket, prunadag_norms, topk_bracket, topk_slice
     from prunopt.reference.prunadag import TensorHyper
 
     torch.set_num_threads(threads)
@@ -185,7 +186,8 @@ def _bracket_pass(quick: bool, threads: int, out) -> str:
         hyper = torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0]] * len(ps), dtype=torch.float64)
         T = max(1, int(0.1 * total))
         # the bracket a rank of 2 takes for its share (here the whole set: one "rank")
-        lo, hi = D._sample_bracket([g.reshape(-1) for g in gs], T, total)
+        head = topk_slice(gs, T, D._rank_buckets(1), 0)[0].tolist()
+        lo, hi = D._bits_value(head[10], torch.float32), D._bits_value(head[11] - 1, torch.float32)
         above, cands = topk_bracket(gs, lo, hi)
         summary, keys, m = prunadag_bracket(xs, gs, hyper, lo, hi)
         if int(summary[0]) != int(above) or not torch.equal(keys, cands):
@@ -217,14 +219,16 @@ def _bracket_pass(quick: bool, threads: int, out) -> str:
 def _slice_pass(quick: bool, threads: int, out) -> str:
     """A rank's first round of the sharded threshold: the fused
     ``topk_slice`` (sample, bracket, one pass, histogram, window in one call)
-    against the same steps composed in Python (a strided sample, two
-    ``topk_threshold`` calls on it, ``topk_bracket``, ``torch.bincount``, the
-    window from another ``topk_bracket`` over the candidates), and beside
-    them the pass alone (``topk_bracket`` over the same bracket: the floor of
+    against the same steps as separate calls (the reference's steps,
+    ``prunopt.reference.prunadag._slice_rounds``, with the compiled ops: a
+    strided sample, two ``topk_threshold`` calls on it, ``topk_bracket``, the
+    histogram and the window in tensor operations), and beside them the pass
+    alone (``topk_bracket`` over the same bracket: the floor of
     any exact select, which reads every value once). Verified first: the
     composition gives the op's slice and window."""
     import prunopt.distributed as D
-    from prunopt.ops import topk_bracket, topk_slice
+    import prunopt.reference.prunadag as R
+    from prunopt.ops import topk_bracket, topk_slice, topk_threshold
 
     torch.set_num_threads(threads)
     total = 1_000_000 if quick else 5_000_000  # a rank's half of 10M
@@ -238,37 +242,107 @@ def _slice_pass(quick: bool, threads: int, out) -> str:
         keys = [g.reshape(-1) for g in gs]
 
         def composed():
-            own = D._OwnSlice(keys, k, world, buckets, torch.float32,
-                              bracket=lambda s: D._sample_bracket(keys, s, total, cap // 2),
-                              scan=lambda a, b: topk_bracket(keys, a, b))
-            got = own.window_range(-(-k // world), cap)
-            if got is None:
-                return own, ([0, 0, 0, -1], None)
-            lo, end = got
-            count, vals = topk_bracket(own.inside, D._bits_value(lo, torch.float32),
-                                       D._bits_value(end - 1, torch.float32))
-            return own, (own.window_head(own.above + int(count), lo, end, vals.numel()), vals.view(torch.int32))
+            # the reference's steps with the compiled ops: the strided sample,
+            # two topk_threshold calls on it, topk_bracket, the histogram and
+            # the window in tensor operations
+            def scan(lo, hi):
+                above, inside = topk_bracket(keys, lo, hi)
+                return False, int(above), inside, None
+
+            head, hist, inside, _, window = R._slice_rounds(
+                torch.float32, total, -(-k // world), buckets, cap,
+                lambda: R._slice_sample(keys, total, R.SLICE_SAMPLE), scan, topk_threshold)
+            bits = inside.view(torch.int32)
+            return head, hist, bits[(bits >= window[0]) & (bits < window[1])] if window else bits[:0]
 
         head, hist, window, inside = topk_slice(gs, -(-k // world), buckets, cap)
-        own, (w_head, w_bits) = composed()
+        c_head, c_hist, c_window = composed()
         h = head.tolist()
-        own_hist = own.hist if own.hist.numel() else torch.zeros(h[4], dtype=torch.int64)
-        if (h[:6] != own.head or h[6:10] != w_head or not torch.equal(hist, own_hist)
-                or not torch.equal(window, w_bits)):
+        if h != c_head or not torch.equal(hist, c_hist) or not torch.equal(window, c_window):
             raise AssertionError("topk_slice and the composed steps disagree")
         lo, hi = D._bits_value(h[10], torch.float32), D._bits_value(h[11] - 1, torch.float32)
         times = interleaved_times({
             "topk_slice (one call)": lambda: topk_slice(gs, -(-k // world), buckets, cap),
-            "composed in Python (sample, 2 topk_threshold, topk_bracket, bincount, window)": composed,
+            "composed (sample, 2 topk_threshold, topk_bracket, histogram, window in tensor ops)": composed,
             "pass alone (topk_bracket over the same bracket)": lambda: topk_bracket(gs, lo, hi),
         }, 3 * min_t, threads)
-        base = times["composed in Python (sample, 2 topk_threshold, topk_bracket, bincount, window)"]
+        base = times["composed (sample, 2 topk_threshold, topk_bracket, histogram, window in tensor ops)"]
         for name, t in times.items():
             rows.append({"layout": layout, "contender": name, "median_ms": 1e3 * t, "vs_composed": t / base,
                          "candidates": inside.numel(), "window": h[9]})
     notes = (f"float32, N = {total:,} elements (one rank's half of a 2-rank threshold of the top 10 %), share "
              f"{-(-k // world):,}, {buckets} grid buckets, windows of at most {cap} values, {threads} threads, 5 "
              "alternating rounds. The op is what each rank runs before the sharded threshold's first collective; "
-             "the composition is the same steps as separate calls (what the sharded select ran before the op); "
+             "the composition is the same steps as separate calls in Python and tensor operations; "
              "the pass alone is the floor. Rerun: `prunopt bench --only prunadag --out DIR`.")
     return write_results("topk_slice", rows, environment(threads), notes, out)
+
+
+def _prunadag_slice_pass(quick: bool, threads: int, out) -> str:
+    """A rank's first round of the sharded PrunAdag select: the fused
+    ``prunadag_slice`` (the effective gradients' sample, the bracket, one
+    ``prunadag_bracket`` pass, the histogram, the window with its sums in one
+    call) against the same steps as separate calls (the reference's steps
+    with the compiled ops: the sample in tensor operations, two
+    ``topk_threshold`` calls, ``prunadag_bracket``, the histogram and the
+    window's split in tensor operations), and the pass alone. Verified first:
+    the composition gives the op's slice, window and (to rounding) sums."""
+    import prunopt.distributed as D
+    import prunopt.reference.prunadag as R
+    from prunopt.ops import prunadag_bracket, prunadag_slice, topk_threshold
+
+    torch.set_num_threads(threads)
+    total = 1_000_000 if quick else 5_000_000  # a rank's half of 10M
+    min_t = 0.3 if quick else 1.0
+    world, T = 2, int(0.2 * total)  # (the rank's share of the top 10 % of 2 x total)
+    buckets = D._rank_buckets(world)
+    cap = D._window_slots(world) - 2  # (float32: one slot per candidate after the two sums)
+    rows = []
+    for layout, count in (("1 tensor", 1), ("50 tensors", 50)):
+        ps = _setup(_sizes(total, count))
+        xs, gs = [p.detach() for p in ps], [p.grad for p in ps]
+        hyper = torch.tensor([[0.1, 0.1, 0.01, 1e-10, 0.0, 1.0]] * len(ps), dtype=torch.float64)
+        hypers = [R.TensorHyper(lr=0.1, weight_decay=0.01) for _ in ps]
+        share = -(-T // world)
+
+        def composed():
+            def draw():  # (ge at the sample's positions only)
+                gv = R._slice_sample_views([g.reshape(-1) for g in gs], total, R.SLICE_SAMPLE)
+                xv = R._slice_sample_views([x.reshape(-1) for x in xs], total, R.SLICE_SAMPLE)
+                return torch.cat([g + x * 0.01 for g, x in zip(gv, xv)]).abs()
+
+            def scan(lo, hi):
+                summary, keys, m = prunadag_bracket(xs, gs, hyper, lo, hi)
+                return False, int(summary[0]), keys, (float(summary[1]), float(summary[2]), m)
+
+            head, hist, keys, (G, X, m), window = R._slice_rounds(torch.float32, total, share, buckets, cap, draw,
+                                                                  scan, topk_threshold)
+            bits = keys.view(torch.int32)
+            inw = (bits >= window[0]) & (bits < window[1])
+            sums = [G, X, G + float(keys.double().square()[bits >= window[1]].sum()),
+                    X + float(m[bits < window[0]].sum())]
+            return head, hist, bits[inw], m[inw], sums
+
+        got = prunadag_slice(xs, gs, hyper, share, buckets, cap)
+        c_head, c_hist, c_bits, c_m, c_sums = composed()
+        h = got[0].tolist()
+        if (h != c_head or not torch.equal(got[2], c_hist) or not torch.equal(got[3], c_bits)
+                or not torch.equal(got[4], c_m)
+                or not all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got[1].tolist(), c_sums))):
+            raise AssertionError("prunadag_slice and the composed steps disagree")
+        lo, hi = D._bits_value(h[10], torch.float32), D._bits_value(h[11] - 1, torch.float32)
+        name = "composed (sample, 2 topk_threshold, prunadag_bracket, histogram, window in tensor ops)"
+        times = interleaved_times({
+            "prunadag_slice (one call)": lambda: prunadag_slice(xs, gs, hyper, share, buckets, cap),
+            name: composed,
+            "pass alone (prunadag_bracket over the same bracket)": lambda: prunadag_bracket(xs, gs, hyper, lo, hi),
+        }, 3 * min_t, threads)
+        for contender, t in times.items():
+            rows.append({"layout": layout, "contender": contender, "median_ms": 1e3 * t,
+                         "vs_composed": t / times[name], "candidates": got[5].numel(), "window": h[9]})
+    notes = (f"float32, N = {total:,} elements (one rank's half of a 2-rank PrunAdag select of the top 10 %, weight "
+             f"decay 0.01), share {-(-T // world):,}, {buckets} grid buckets, windows of at most {cap} candidates, "
+             f"{threads} threads, 5 alternating rounds. The op is what each rank runs before the sharded PrunAdag "
+             "step's first collective; the composition is the same steps as separate calls in Python and tensor "
+             "operations; the pass alone is the floor. Rerun: `prunopt bench --only prunadag --out DIR`.")
+    return write_results("prunadag_slice", rows, environment(threads), notes, out)

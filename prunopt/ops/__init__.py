@@ -5,7 +5,7 @@
 * :mod:`prunopt.ops.projection`: ``project_budget``, ``project_budget_``,
   ``project_budget_bracket``, ``project_budget_apply_``;
 * :mod:`prunopt.ops.prunadag`: ``topk_threshold``, ``topk_bracket``, ``topk_slice``,
-  ``prunadag_norms``, ``prunadag_bracket`` (and the fused step that :class:`prunopt.optim.PrunAdag`
+  ``prunadag_norms``, ``prunadag_bracket``, ``prunadag_slice`` (and the fused step that :class:`prunopt.optim.PrunAdag`
   calls);
 * :mod:`prunopt.ops.interspace`: ``fb_reconstruct``, ``fb_conv2d``,
   ``fb_compress``, ``fb_conv2d_compressed``;
@@ -23,12 +23,12 @@ from prunopt.ops.gates import rgf_relu, sparse_gate, two_temperature_sigmoid
 from prunopt.ops.interspace import (FBCompressed, fb_compress, fb_conv2d, fb_conv2d_compressed, fb_reconstruct,
                                     fb_reconstruct_backward)
 from prunopt.ops.projection import project_budget, project_budget_, project_budget_apply_, project_budget_bracket
-from prunopt.ops.prunadag import (PRUNADAG_DEVICES, prunadag_bracket, prunadag_norms, topk_bracket, topk_slice,
-                                  topk_threshold)
+from prunopt.ops.prunadag import (PRUNADAG_DEVICES, prunadag_bracket, prunadag_norms, prunadag_slice, topk_bracket,
+                                  topk_slice, topk_threshold)
 
 __all__ = [
     "project_budget", "project_budget_", "project_budget_bracket", "project_budget_apply_", "topk_threshold",
-    "topk_bracket", "topk_slice", "prunadag_norms", "prunadag_bracket",
+    "topk_bracket", "topk_slice", "prunadag_norms", "prunadag_bracket", "prunadag_slice",
     "PRUNADAG_DEVICES",
     "fb_reconstruct", "fb_reconstruct_backward", "fb_conv2d", "fb_compress", "fb_conv2d_compressed", "FBCompressed",
     "rgf_relu", "sparse_gate", "two_temperature_sigmoid", "TensorOrList",

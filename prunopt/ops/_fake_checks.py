@@ -325,6 +325,18 @@ def check_topk_values(values, op: str) -> None:
     _check_list(values, v0, len(values), "values", op)
 
 
+def check_slice_args(buckets: int, cap: int, sample, op: str) -> None:
+    """``buckets``, ``cap`` and ``sample`` of ``topk_slice`` / ``prunadag_slice``
+    (csrc/cpu/topk_slice.cpp)."""
+    if buckets < 1:
+        raise ValueError(f"{op}: buckets must be >= 1, got {buckets}")
+    if cap < 0:
+        raise ValueError(f"{op}: cap must be >= 0, got {cap}")
+    if not (len(sample) == 3 and 1 <= sample[0] <= sample[1] and 1 <= sample[2] <= 4096):
+        raise ValueError(f"{op}: sample must be [min, max, block] with 1 <= min <= max and 1 <= block <= 4096, "
+                         f"got {list(sample)}")
+
+
 def _self_overlapping(t: Tensor) -> bool:
     """A dimension of size > 1 with stride 0 (an expand()-ed tensor): the cases
     that metadata alone decides (the eager kernel checks every layout)."""

@@ -27,7 +27,8 @@ from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.prunadag import topk_threshold_reference as _topk_threshold_reference
 
-__all__ = ["topk_threshold", "topk_bracket", "topk_slice", "prunadag_norms", "prunadag_bracket", "PRUNADAG_DEVICES"]
+__all__ = ["topk_threshold", "topk_bracket", "topk_slice", "prunadag_norms", "prunadag_bracket", "prunadag_slice",
+           "PRUNADAG_DEVICES"]
 
 PRUNADAG_DEVICES = _kernel_devices("prunadag_step_")
 _THRESHOLD_DEVICES = _kernel_devices("topk_threshold")
@@ -133,7 +134,17 @@ def _check_int(v, name: str) -> int:
     return v
 
 
-def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int):
+def _check_sample(sample) -> List[int]:
+    """``(min, max, block)`` of a slice op's sample, checked."""
+    if not isinstance(sample, (list, tuple)) or len(sample) != 3:
+        raise TypeError(f"sample must be a (min, max, block) tuple of ints, got {sample!r}")
+    lo, hi, block = (_check_int(v, "sample") for v in sample)
+    if not (1 <= lo <= hi and 1 <= block <= 4096):
+        raise ValueError(f"sample must be (min, max, block) with 1 <= min <= max and 1 <= block <= 4096, got {sample}")
+    return [lo, hi, block]
+
+
+def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int, sample=(1 << 15, 1 << 20, 128)):
     r"""One rank's slice of the sharded top-k threshold, in one call: the
     first round of :func:`prunopt.distributed.topk_threshold` on this rank's
     values (prunAdag eq. 2.6 over values spread across ranks).
@@ -159,6 +170,10 @@ def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int):
             (``ceil(k / world)``; out of ``[1, n]``: every value is a candidate).
         buckets: ``>= 1``, the most grid buckets.
         cap: ``>= 0``, the most values in the window (0: no window).
+        sample: ``(min, max, block)``: the sample's size, about
+            :math:`(6n)^{2/3}` clamped to ``[min, max]``, and its blocks of
+            ``block`` contiguous values (``1 <= min <= max``,
+            ``1 <= block <= 4096``).
 
     Returns:
         ``(head, hist, window, inside)``: int64 ``head = [n, above, start, j,
@@ -172,10 +187,11 @@ def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int):
         host (the sharded select brackets on the CPU).
 
     Raises:
-        TypeError: ``values`` not tensors, ``share``, ``buckets`` or ``cap``
-            not an int.
+        TypeError: ``values`` not tensors, ``share``, ``buckets``, ``cap``
+            or ``sample``'s entries not ints.
         ValueError: an empty list, mixed dtypes or devices, a dtype other
-            than float32 or float64, ``buckets < 1``, ``cap < 0``.
+            than float32 or float64, ``buckets < 1``, ``cap < 0``, a bad
+            ``sample``.
     """
     from prunopt.reference.prunadag import topk_slice_reference
 
@@ -190,12 +206,13 @@ def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int):
         raise ValueError(f"buckets must be >= 1, got {buckets}")
     if cap < 0:
         raise ValueError(f"cap must be >= 0, got {cap}")
+    sample = _check_sample(sample)
     for i, v in enumerate(vals):
         if v.dtype not in (torch.float32, torch.float64) or v.dtype != vals[0].dtype or v.device != vals[0].device:
             raise ValueError(f"values[{i}] must be float32 or float64, of the dtype and device of values[0]")
     if vals[0].device.type in _SLICE_DEVICES:
-        return torch.ops.prunopt.topk_slice(vals, share, buckets, cap)
-    out = topk_slice_reference(vals, share, buckets, cap)
+        return torch.ops.prunopt.topk_slice(vals, share, buckets, cap, sample)
+    out = topk_slice_reference(vals, share, buckets, cap, sample)
     return tuple(t.to(vals[0].device) for t in out)
 
 
@@ -296,6 +313,73 @@ def prunadag_bracket(params: List[Tensor], grads: List[Tensor], hyper: Tensor, l
 _PRUNADAG_BRACKET_DEVICES = _kernel_devices("prunadag_bracket")
 
 
+def prunadag_slice(params: List[Tensor], grads: List[Tensor], hyper: Tensor, share: int, buckets: int, cap: int,
+                   sample=(1 << 15, 1 << 20, 128)):
+    r"""prunAdag's form of :func:`topk_slice`: one rank's first round of the
+    sharded PrunAdag select (the global top-``T`` threshold of eq. 2.6 and
+    the ratio's norms of Table 1 over parameters sharded across ranks), in
+    one call.
+
+    The sample is of the effective gradients
+    :math:`g_e = \pm g + \lambda x` of the pruned tensors (weight decay's
+    product rounded before the sum, as the fused kernels compute it), the
+    pass is :func:`prunadag_bracket` over every tensor (one read of ``x``
+    and ``g``: the count and :math:`\sum g_e^2` above the bracket, the
+    sign-matched :math:`x^2` below it, the candidates with their ``m``, the
+    finiteness of every effective gradient, also on a rank without pruned
+    elements). The full definition is
+    :func:`prunopt.reference.prunadag.prunadag_slice_reference`.
+
+    Args:
+        params, grads: non-empty lists of one dtype (float32 or float64) and
+            device, ``grads[i]`` shaped like ``params[i]``.
+        hyper: float64 ``(len(params), 6)`` on the params' device, the rows of
+            ``prunadag_step_`` (weight decay, maximize and the prune flag are
+            used).
+        share, buckets, cap, sample: as in :func:`topk_slice`.
+
+    Returns:
+        ``(head, sums, hist, window_bits, window_m, keys, m)``: ``head`` and
+        ``hist`` as :func:`topk_slice`'s; float64 ``sums = [G, X, G_w,
+        X_w]`` (the pass's sums outside the bracket; ``G_w`` adds the
+        candidates' :math:`c^2` at or above the window, ``X_w`` their ``m``
+        below it, so that for any ``t`` in the window this rank's
+        :math:`\|g\|_R^2` part is ``G_w`` plus the window's :math:`c^2 \ge t`
+        and its :math:`\|x\|_M^2` part ``X_w`` plus the window's ``m`` below
+        ``t``); the window's bit patterns and ``m``; the candidates
+        :math:`|g_e|` and their ``m``, in index order. Sums in float64, in
+        index order (the reference's differ by rounding).
+
+    Raises:
+        TypeError: lists not of tensors, ``hyper`` not a tensor, an integer
+            argument not an int.
+        ValueError: the checks of :func:`prunadag_bracket` (an empty
+            ``params`` too), ``buckets < 1``, ``cap < 0``, a bad ``sample``.
+    """
+    from prunopt.reference.prunadag import TensorHyper, prunadag_slice_reference
+
+    for name, lst in (("params", params), ("grads", grads)):
+        if not isinstance(lst, (list, tuple)) or not all(isinstance(t, Tensor) for t in lst):
+            raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
+    if not isinstance(hyper, Tensor):
+        raise TypeError(f"hyper must be a float64 tensor, got {type(hyper).__name__}")
+    share, buckets, cap = _check_int(share, "share"), _check_int(buckets, "buckets"), _check_int(cap, "cap")
+    sample = _check_sample(sample)
+    if params and params[0].device.type in _PRUNADAG_SLICE_DEVICES:
+        return torch.ops.prunopt.prunadag_slice(list(params), list(grads), hyper, share, buckets, cap, sample)
+    if not params:
+        raise ValueError("params must not be empty")
+    _fc.check_prunadag_bracket(list(params), list(grads), hyper, 0.0, 0.0, "prunadag_slice")
+    _fc.check_slice_args(buckets, cap, sample, "prunadag_slice")
+    rows = hyper.detach().cpu().tolist()
+    hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5])) for r in rows]
+    out = prunadag_slice_reference(params, grads, hypers, share, buckets, cap, sample)
+    return tuple(t.to(params[0].device) for t in out)
+
+
+_PRUNADAG_SLICE_DEVICES = _kernel_devices("prunadag_slice")
+
+
 if extension_available():
 
     # (each fake runs the real kernel's argument checks on the metadata first:
@@ -314,17 +398,28 @@ if extension_available():
         return values[0].new_empty((), dtype=torch.int64), values[0].new_empty(n)
 
     @torch.library.register_fake("prunopt::topk_slice")
-    def _topk_slice_fake(values, share, buckets, cap):
+    def _topk_slice_fake(values, share, buckets, cap, sample):
         _fc.check_topk_values(values, "topk_slice")
-        if buckets < 1:
-            raise ValueError(f"topk_slice: buckets must be >= 1, got {buckets}")
-        if cap < 0:
-            raise ValueError(f"topk_slice: cap must be >= 0, got {cap}")
+        _fc.check_slice_args(buckets, cap, sample, "topk_slice")
         ctx = torch.library.get_ctx()
         v0 = values[0]
         int_dtype = torch.int32 if v0.dtype == torch.float32 else torch.int64
         return (v0.new_empty(12, dtype=torch.int64), v0.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
                 v0.new_empty(ctx.new_dynamic_size(), dtype=int_dtype), v0.new_empty(ctx.new_dynamic_size()))
+
+    @torch.library.register_fake("prunopt::prunadag_slice")
+    def _prunadag_slice_fake(params, grads, hyper, share, buckets, cap, sample):
+        _fc.check_prunadag_bracket(params, grads, hyper, 0.0, 0.0, "prunadag_slice")
+        if not params:
+            raise ValueError("prunadag_slice: params must not be empty")
+        _fc.check_slice_args(buckets, cap, sample, "prunadag_slice")
+        ctx = torch.library.get_ctx()
+        p0 = params[0]
+        int_dtype = torch.int32 if p0.dtype == torch.float32 else torch.int64
+        w, c = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        return (p0.new_empty(12, dtype=torch.int64), hyper.new_empty(4),
+                p0.new_empty(ctx.new_dynamic_size(), dtype=torch.int64), p0.new_empty(w, dtype=int_dtype),
+                hyper.new_empty(w), p0.new_empty(c), hyper.new_empty(c))
 
     @torch.library.register_fake("prunopt::prunadag_norms")
     def _prunadag_norms_fake(params, grads, hyper, tau):

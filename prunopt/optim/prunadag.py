@@ -544,27 +544,15 @@ class _FusedShare:
 
         self.loc, self.dtype = loc, loc.params[0].dtype
         self.hyper = _local_hyper(loc, counted)
-        rows = self.hyper.tolist()
-        pruned = [i for i, r in enumerate(rows) if r[5] != 0.0 and loc.params[i].numel()]
-        grads = [loc.grads[i].detach().reshape(-1) for i in pruned]
-        n_r = sum(g.numel() for g in grads)
-
-        # (with windows, the bracket holds at least half a window either side of the share)
-        spread = _window_entries(self.dtype, D._window_slots(world)) // 2 if D._window_area(world) else 0
-
-        def bracket(share: int):
-            # |ge| of the sample (the kernels' formula; x sampled where weight decay needs it)
-            wd = [i for i in pruned if rows[i][2] != 0.0]
-            if not wd:  # (ge = +-g: |g| written once)
-                return D._bracket_of_sample(D._sample(grads, n_r), share, n_r, spread)
-            gs = D._sample_parts(grads, n_r)
-            xs = D._sample_parts([loc.params[i].detach().reshape(-1) for i in pruned], n_r)
-            parts = [(-g if rows[i][4] else g) + x * rows[i][2] if rows[i][2] != 0.0 else g
-                     for i, g, x in zip(pruned, gs, xs)]
-            return D._bracket_of_sample(torch.cat(parts).abs(), share, n_r, spread)
-
-        self.own = D._OwnSlice(grads, T, world, D._rank_buckets(world), self.dtype, bracket=bracket,
-                               scan=self._scan)
+        # round 1 and the window in one call of the fused op (the window holds
+        # at most the candidates that fit in a rank's slots after the sums)
+        cap = _window_entries(self.dtype, D._window_slots(world)) if D._window_area(world) else 0
+        with torch.no_grad():
+            head, sums, hist, w_bits, w_m, keys, m = torch.ops.prunopt.prunadag_slice(
+                loc.params, loc.grads, self.hyper, -(-T // world), D._rank_buckets(world), cap, D._sample_shape())
+        h, (G, X, G_w, X_w) = head.tolist(), sums.tolist()
+        self.own = D._OwnSlice(h, hist, keys, self.dtype, (G, X, m))
+        self._window = (h[6:10], (G_w, X_w), w_bits, w_m)
         self.reread = False
 
     def _scan(self, lo: float, hi: float):
@@ -581,40 +569,38 @@ class _FusedShare:
 
     def window(self, share: int, slots: int):
         """Round 1's window for the one-collective select (the prunAdag form
-        of the plain select's window, ``prunopt.ops.topk_slice``, read back by
-        :func:`_window_select`): the candidates of whole grid buckets
-        ``[lo, end)`` around this rank's share, each with its sign-matched
-        ``x^2`` ``m``, as many as fit in ``slots`` after two for the sums
-        (float32: one slot each, float64: two). Returns ``(head, slots)``:
-        ``head = [a, lo, end, count]`` (``count = -1`` when they do not fit)
-        and int64 slots holding the bit patterns of ``G_w = G + sum_{c >=
-        end} c^2`` and ``X_w = X + sum_{c < lo} m`` (float64), then the
-        candidates: float32, each slot a candidate's bit pattern in its low
-        32 bits and ``sqrt(m)``'s (``|x|`` or 0, exact: the square of a
-        float32 is exact in float64) in its high 32; float64, a candidate's
-        bit pattern, then ``m``'s. For any ``t`` in ``[lo, end)`` this rank's
-        ``||g||^2`` over ``|ge| >= t`` is ``G_w + sum_{window c >= t} c^2``
-        and its ``x^2`` over ``|ge| < t`` is ``X_w + sum_{window c < t} m``."""
+        of the plain select's window, from ``prunopt.ops.prunadag_slice``,
+        read back by :func:`_window_select`): the candidates of whole grid
+        buckets ``[lo, end)`` around this rank's share ``ceil(T / W)``, each
+        with its sign-matched ``x^2`` ``m``, as many as fit in ``slots`` after
+        two for the sums (float32: one slot each, float64: two). Returns
+        ``(head, slots)``: ``head = [a, lo, end, count]`` (``count = -1``
+        when they do not fit) and int64 slots holding the bit patterns of
+        ``G_w = G + sum_{c >= end} c^2`` and ``X_w = X + sum_{c < lo} m``
+        (float64), then the candidates: float32, each slot a candidate's bit
+        pattern in its low 32 bits and ``sqrt(m)``'s (``|x|`` or 0, exact: the
+        square of a float32 is exact in float64) in its high 32; float64, a
+        candidate's bit pattern, then ``m``'s. For any ``t`` in ``[lo, end)``
+        this rank's ``||g||^2`` over ``|ge| >= t`` is ``G_w + sum_{window c
+        >= t} c^2`` and its ``x^2`` over ``|ge| < t`` is ``X_w + sum_{window c
+        < t} m``. (``share`` and ``slots`` are the ones the op was given.)"""
         from prunopt import distributed as D
 
-        own = self.own
-        if not own.n_r:  # (no pruned values here: no sums either)
+        if not self.own.n_r:  # (no pruned values here: no sums either)
             return [0, 0, D._max_finite_bits(self.dtype) + 1, 0], torch.zeros(2, dtype=torch.int64)
-        packed = self.dtype == torch.float32
-        got = own.window_range(share, _window_entries(self.dtype, slots))
-        if got is None:
+        head, sums, bits, m = self._window
+        if head[3] < 0:
             return [0, 0, 0, -1], None
-        lo, end = got
-        n_up, g_up, x_down, bits, m, inside = self._split(lo, end)
-        cb, cm = bits[inside], m[inside]  # (inside: indices)
+        cb, cm = bits.numpy().astype(np.int64), m.numpy()
+        packed = self.dtype == torch.float32
         out = np.empty(2 + (1 if packed else 2) * cb.size, dtype=np.int64)
-        out[:2] = np.array([own.more[0] + g_up, own.more[1] + x_down], dtype=np.float64).view(np.int64)
+        out[:2] = np.array(sums, dtype=np.float64).view(np.int64)
         if packed:
             out[2:] = (np.sqrt(cm).astype(np.float32).view(np.int32).astype(np.int64) << 32) | cb
         else:
             out[2::2] = cb
             out[3::2] = cm.view(np.int64)
-        return own.window_head(own.above + n_up, lo, end, cb.size), torch.from_numpy(out)
+        return head, torch.from_numpy(out)
 
     def _split(self, lo: int, end: int):
         """Round 1's candidates split at the bit patterns ``lo`` and ``end``:

@@ -36,6 +36,7 @@ from prunopt.reference.prunadag import (  # noqa: E402
     support_norm_lmo_reference,
     topk_bracket_reference,
     topk_slice_reference,
+    prunadag_slice_reference,
     topk_threshold_reference,
 )
 
@@ -48,6 +49,7 @@ __all__ += [
     "support_norm_lmo_reference",
     "topk_bracket_reference",
     "topk_slice_reference",
+    "prunadag_slice_reference",
     "topk_threshold_reference",
 ]
 
@@ -87,6 +89,7 @@ REFERENCE_FOR_OP = {
     "topk_threshold": topk_threshold_reference,
     "topk_bracket": topk_bracket_reference,
     "topk_slice": topk_slice_reference,
+    "prunadag_slice": prunadag_slice_reference,
     "prunadag_step_": prunadag_step_reference,
     "prunadag_norms": prunadag_norms_reference,
     "prunadag_bracket": prunadag_bracket_reference,

@@ -28,6 +28,7 @@ __all__ = [
     "topk_threshold_reference",
     "topk_bracket_reference",
     "topk_slice_reference",
+    "prunadag_slice_reference",
     "effective_grad",
     "prunadag_norms_reference",
     "prunadag_bracket_reference",
@@ -115,33 +116,40 @@ def topk_bracket_reference(values: Sequence[Tensor], lo: float, hi: float) -> Tu
     return (flat > hi).sum().to(torch.int64), flat[(flat >= lo) & (flat <= hi)]
 
 
-# topk_slice's fixed sample: about (6 n)^(2/3) values within [2^15, 2^20], in
-# blocks of 128 contiguous values at a fixed stride; the bracket spans the
-# sample's order statistics 5 binomial standard deviations (plus 8 ranks)
-# either side of the share.
-_SLICE_SAMPLE_MIN, _SLICE_SAMPLE_MAX, _SLICE_SAMPLE_BLOCK = 1 << 15, 1 << 20, 128
+# topk_slice's fixed sample: about (6 n)^(2/3) values within [min, max], in
+# blocks of `block` contiguous values at a fixed stride (``sample = (min, max,
+# block)``, by default the sharded selects' (2^15, 2^20, 128)); the bracket
+# spans the sample's order statistics 5 binomial standard deviations (plus 8
+# ranks) either side of the share.
+SLICE_SAMPLE = (1 << 15, 1 << 20, 128)
 _SLICE_SAMPLE_SCALE, _SLICE_SAMPLE_SIGMAS = 6.0, 5.0
 _SLICE_FORMATS = {torch.float32: (torch.int32, 0x7F7FFFFF), torch.float64: (torch.int64, 0x7FEFFFFFFFFFFFFF)}
 
 
-def _slice_sample(flat: List[Tensor], n: int) -> Tensor:
-    """``|v|`` of topk_slice's fixed sample of the flat tensors ``flat`` (``n``
-    values in all; all of them when they are few)."""
-    size = min(max(int((_SLICE_SAMPLE_SCALE * n) ** (2 / 3)), _SLICE_SAMPLE_MIN), _SLICE_SAMPLE_MAX)
+def _slice_sample_views(flat: List[Tensor], n: int, sample: Sequence[int]) -> List[Tensor]:
+    """Views of topk_slice's fixed sample of the flat tensors ``flat`` (``n``
+    values in all; the tensors themselves when they are few), one per tensor."""
+    lo, hi, block = sample
+    size = min(max(int((_SLICE_SAMPLE_SCALE * n) ** (2 / 3)), lo), hi)
     if n <= size:
-        return torch.cat(flat).abs()
+        return list(flat)
     every = n // size  # one block (or one value) in `every`
-    parts = []
+    views = []
     for v in flat:
-        nb = v.numel() // _SLICE_SAMPLE_BLOCK
+        nb = v.numel() // block
         if nb >= every:
-            parts.append(v[:nb * _SLICE_SAMPLE_BLOCK].view(nb, _SLICE_SAMPLE_BLOCK)[every // 2::every].reshape(-1))
+            views.append(v[:nb * block].view(nb, block)[every // 2::every].reshape(-1))
         else:
-            parts.append(v[every // 2::every])
-    return torch.cat(parts).abs()
+            views.append(v[every // 2::every])
+    return views
 
 
-def _slice_bracket(sample: Tensor, share: int, n: int, spread: int) -> Tuple[float, float]:
+def _slice_sample(flat: List[Tensor], n: int, sample: Sequence[int]) -> Tensor:
+    """``|v|`` of topk_slice's fixed sample of the flat tensors ``flat``."""
+    return torch.cat(_slice_sample_views(flat, n, sample)).abs()
+
+
+def _slice_bracket(sample: Tensor, share: int, n: int, spread: int, kth=None) -> Tuple[float, float]:
     """``(lo, hi)`` from the sample's order statistics around the share (all
     values: exact), at least ``spread`` values either side; ``(0, inf)`` from
     an empty or non-finite sample."""
@@ -153,8 +161,9 @@ def _slice_bracket(sample: Tensor, share: int, n: int, spread: int) -> Tuple[flo
     margin = 0.0 if ns == n else _SLICE_SAMPLE_SIGMAS * math.sqrt(max(p * (1 - q), 1.0)) + 8
     margin = max(margin, spread * ns / n)
     top, bottom = math.floor(p - margin), math.ceil(p + margin)  # ranks from the largest (1)
-    hi = math.inf if top < 1 else float(topk_threshold_reference([sample], top))
-    lo = 0.0 if bottom > ns else float(topk_threshold_reference([sample], bottom))
+    kth = topk_threshold_reference if kth is None else kth
+    hi = math.inf if top < 1 else float(kth([sample], top))
+    lo = 0.0 if bottom > ns else float(kth([sample], bottom))
     return lo, hi
 
 
@@ -167,19 +176,19 @@ def _slice_grid(first: int, end: int, buckets: int) -> Tuple[int, int, int]:
     return j, (first >> j) << j, -(-end >> j) << j
 
 
-def topk_slice_reference(values: Sequence[Tensor], share: int, buckets: int,
-                         cap: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def topk_slice_reference(values: Sequence[Tensor], share: int, buckets: int, cap: int,
+                         sample: Sequence[int] = SLICE_SAMPLE) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     r"""One rank's slice of the sharded top-k threshold (the oracle of the
     ``topk_slice`` op; :func:`prunopt.distributed.topk_threshold`, step 1 of
     its bracketed select). With :math:`n` values and bit patterns ``b(x)`` of
     :math:`|x|` (int32 for float32, int64 for float64; their order is the
     order of the magnitudes):
 
-    1. the sample: ``s = clamp(int((6 n)^{2/3}), 2^15, 2^20)`` values; all of
-       them when ``n <= s``, else, with ``e = n // s``, in each tensor the
-       blocks of 128 contiguous values numbered ``e//2, e//2 + e, ...`` (the
-       single values ``e//2, e//2 + e, ...`` of a tensor with fewer than ``e``
-       blocks);
+    1. the sample, ``sample = (lo, hi, b)``: ``s = clamp(int((6 n)^{2/3}), lo,
+       hi)`` values; all of them when ``n <= s``, else, with ``e = n // s``, in
+       each tensor the blocks of ``b`` contiguous values numbered ``e//2,
+       e//2 + e, ...`` (the single values ``e//2, e//2 + e, ...`` of a tensor
+       with fewer than ``e`` blocks);
     2. the bracket ``[lo, hi]`` of the ``share``-th largest: with ``q =
        share / n``, ``p = q s``, ``margin = 5 sqrt(max(p (1 - q), 1)) + 8``
        (0 when the sample is every value) and at least ``(cap // 2) s / n``,
@@ -205,17 +214,45 @@ def topk_slice_reference(values: Sequence[Tensor], share: int, buckets: int,
     Returns ``(head, hist, window, inside)``: int64 ``head = [n, above,
     start, j, nb, bad, w_above, w_lo, w_end, w_m, scan_start, scan_stop]``
     (``scan_*``: the bit patterns that were read, ``[scan_start,
-    scan_stop)``, before a bracket open above was narrowed), int64 ``hist`` of ``nb`` buckets, the window's bit patterns and
-    the candidates' ``|v|`` (index order)."""
+    scan_stop)``, before a bracket open above was narrowed), int64 ``hist``
+    of ``nb`` buckets, the window's bit patterns and the candidates' ``|v|``
+    (index order)."""
     dtype = values[0].dtype
-    int_dtype, top = _SLICE_FORMATS[dtype]
+    int_dtype = _SLICE_FORMATS[dtype][0]
     flat = [v.detach().reshape(-1) for v in values if v.numel()]
     n = sum(v.numel() for v in flat)
+
+    def scan(lo: float, hi: float):
+        if not flat:  # (a rank without values reads nothing)
+            return False, 0, torch.empty(0, dtype=dtype), None
+        try:
+            above, inside = topk_bracket_reference(flat, lo, hi)
+        except ValueError:  # a non-finite value
+            return True, 0, torch.empty(0, dtype=dtype), None
+        return False, int(above), inside, None
+
+    head, hist, inside, _, window = _slice_rounds(dtype, n, share, buckets, cap,
+                                                  lambda: _slice_sample(flat, n, sample), scan)
+    keys = inside.view(int_dtype).long()
+    bits = keys[(keys >= window[0]) & (keys < window[1])] if window else keys[:0]
+    return torch.tensor(head, dtype=torch.int64), hist, bits.to(int_dtype), inside
+
+
+def _slice_rounds(dtype: torch.dtype, n: int, share: int, buckets: int, cap: int, sample, scan, kth=None):
+    """Steps 2-5 of :func:`topk_slice_reference` (and of
+    :func:`prunadag_slice_reference`) for ``n`` values: ``sample()`` gives the
+    sample's magnitudes, ``scan(lo, hi)`` reads the values for a bracket and
+    gives ``(bad, above, candidates, extra)``, ``kth(values, r)`` is the
+    ``r``-th largest magnitude (default :func:`topk_threshold_reference`).
+    Returns ``(head, hist, candidates, extra, window)``, ``window = (w_lo,
+    w_end)`` or ``None``."""
+    int_dtype, top = _SLICE_FORMATS[dtype]
     head = [0] * 12
     if n == 0:
         head[8] = top + 1
-        return (torch.tensor(head, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                torch.empty(0, dtype=int_dtype), torch.empty(0, dtype=dtype))
+        bad, _, inside, extra = scan(0.0, 0.0)  # (a scan that checks more than the values still runs)
+        head[5] = int(bad)
+        return head, torch.zeros(0, dtype=torch.int64), torch.empty(0, dtype=dtype), extra, None
 
     def bits(x: float) -> int:  # (x >= 0)
         return int(torch.tensor(x, dtype=dtype).view(int_dtype))
@@ -223,16 +260,11 @@ def topk_slice_reference(values: Sequence[Tensor], share: int, buckets: int,
     def value(b: int) -> float:
         return float(torch.tensor(b, dtype=int_dtype).view(dtype))
 
-    lo, hi = _slice_bracket(_slice_sample(flat, n), share, n, cap // 2) if 1 <= share <= n else (0.0, math.inf)
+    lo, hi = _slice_bracket(sample(), share, n, cap // 2, kth) if 1 <= share <= n else (0.0, math.inf)
     first, end = bits(lo), min(top + 1 if hi == math.inf else bits(hi), top) + 1
     j, start, stop = _slice_grid(first, end, buckets)
-    scan = (start, min(stop, top + 1))  # (the grid's end may pass the largest finite: what was read ends there)
-    bad = False
-    try:
-        above, inside = topk_bracket_reference(flat, value(start), value(min(stop - 1, top)))
-        above = int(above)
-    except ValueError:  # a non-finite value
-        bad, above, inside = True, 0, torch.empty(0, dtype=dtype)
+    scanned = (start, min(stop, top + 1))  # (the grid's end may pass the largest finite: what was read ends there)
+    bad, above, inside, extra = scan(value(start), value(scanned[1] - 1))
     keys = inside.view(int_dtype).to(torch.int64)
     if hi == math.inf and keys.numel() and not bad:
         j, start, stop = _slice_grid(start, int(keys.max()) + 1, buckets)
@@ -240,25 +272,87 @@ def topk_slice_reference(values: Sequence[Tensor], share: int, buckets: int,
     hist = torch.bincount((keys - start) >> j, minlength=nb) if keys.numel() else torch.zeros(nb, dtype=torch.int64)
     head[:6] = [n, above, start, j, nb, int(bad)]
     head[9] = -1
-    head[10:12] = scan
-    window = torch.empty(0, dtype=int_dtype)
-    if cap > 0 and not bad:
-        ge = (hist.flip(0).cumsum(0).flip(0) + above).tolist() + [above]  # ge[i]: values >= start + i 2^j
-        centre = max(sum(1 for i in range(nb) if ge[i] >= share) - 1, 0)
-        radius = -1
-        for r in range(nb + 1):  # the widest radius whose buckets hold at most cap candidates
-            if ge[max(centre - r, 0)] - ge[min(centre + 1 + r, nb)] > cap:
-                break
-            radius = r
-        if radius >= 0:
-            w_lo = start + (max(centre - radius, 0) << j)
-            w_end = min(start + (min(centre + 1 + radius, nb) << j), top + 1)
-            inw = (keys >= w_lo) & (keys < w_end)
-            window = keys[inw].to(int_dtype)
-            w_above = above + int((keys >= w_end).sum())
-            m = window.numel()
-            head[6:10] = [w_above, w_lo if w_above + m < n else 0, w_end if w_above else top + 1, m]
-    return torch.tensor(head, dtype=torch.int64), hist, window, inside
+    head[10:12] = scanned
+    if cap == 0 or bad:
+        return head, hist, inside, extra, None
+    ge = (hist.flip(0).cumsum(0).flip(0) + above).tolist() + [above]  # ge[i]: values >= start + i 2^j
+    centre = max(sum(1 for i in range(nb) if ge[i] >= share) - 1, 0)
+    radius = -1
+    for r in range(nb + 1):  # the widest radius whose buckets hold at most cap candidates
+        if ge[max(centre - r, 0)] - ge[min(centre + 1 + r, nb)] > cap:
+            break
+        radius = r
+    if radius < 0:
+        return head, hist, inside, extra, None
+    w_lo = start + (max(centre - radius, 0) << j)
+    w_end = min(start + (min(centre + 1 + radius, nb) << j), top + 1)
+    w_above = above + int((keys >= w_end).sum())
+    m = int(((keys >= w_lo) & (keys < w_end)).sum())
+    head[6:10] = [w_above, w_lo if w_above + m < n else 0, w_end if w_above else top + 1, m]
+    return head, hist, inside, extra, (w_lo, w_end)
+
+
+def prunadag_slice_reference(params: List[Tensor], grads: List[Tensor], hypers: List[TensorHyper], share: int,
+                             buckets: int, cap: int, sample: Sequence[int] = SLICE_SAMPLE):
+    r"""prunAdag's form of :func:`topk_slice_reference` (the oracle of the
+    ``prunadag_slice`` op): one rank's first round of the sharded PrunAdag
+    select over the effective gradients :math:`g_e = \pm g + \lambda x`
+    (weight decay's product rounded before the sum, as the fused kernels
+    compute it) of the pruned tensors with elements.
+
+    The sample is of :math:`|g_e|` (of :math:`|g|` where no weight decay
+    changes it), at topk_slice's positions over the pruned tensors; the pass
+    is :func:`prunadag_bracket_reference` over every tensor (the finiteness
+    of the others is checked too, also on a rank without pruned elements,
+    where it reads ``[0, 0]``). Returns ``(head, sums, hist, window_bits,
+    window_m, keys, m)``: topk_slice's ``head`` and ``hist``; float64
+    ``sums = [G, X, G_w, X_w]``, with ``G`` and ``X`` the pass's sums outside
+    the bracket (:math:`\sum g_e^2` over :math:`|g_e|` above it, the
+    sign-matched :math:`x^2` below it), :math:`G_w = G + \sum c^2` over the
+    candidates ``c`` at or above the window and :math:`X_w = X + \sum m`
+    over those below it (so that for any ``t`` in the window, this rank's
+    :math:`\|g\|^2` over :math:`|g_e| \ge t` is ``G_w`` plus the window's
+    :math:`c^2` at or above ``t``, and its :math:`\|x\|_M^2` below ``t`` is
+    ``X_w`` plus the window's ``m`` below ``t``); the window's bit patterns
+    and ``m``; the candidates :math:`c = |g_e|` and their ``m``, in index
+    order. A non-finite effective gradient: ``bad = 1``, zero sums, no
+    candidates, no window."""
+    dtype = params[0].dtype
+    int_dtype = _SLICE_FORMATS[dtype][0]
+    pruned = [i for i, h in enumerate(hypers) if h.prune and params[i].numel()]
+    n = sum(params[i].numel() for i in pruned)
+    any_wd = any(hypers[i].weight_decay != 0 for i in pruned)
+
+    def draw():  # (ge at the sample's positions only)
+        gv = _slice_sample_views([grads[i].detach().reshape(-1) for i in pruned], n, sample)
+        xv = _slice_sample_views([params[i].detach().reshape(-1) for i in pruned], n, sample)
+        parts = []
+        for i, g, x in zip(pruned, gv, xv):
+            h = hypers[i]
+            parts.append((-g if h.maximize else g) + x * h.weight_decay if any_wd and h.weight_decay != 0 else g)
+        return torch.cat(parts).abs()
+
+    def scan(lo: float, hi: float):
+        summary, keys, m = prunadag_bracket_reference(params, grads, hypers, lo, hi)
+        if summary[3] != 0:
+            return True, 0, keys, (0.0, 0.0, m)
+        return False, int(summary[0]), keys, (float(summary[1]), float(summary[2]), m)
+
+    head, hist, keys, (G, X, m), window = _slice_rounds(dtype, n, share, buckets, cap, draw, scan)
+    bits = keys.view(int_dtype).long()
+    sums = [G, X, 0.0, 0.0]
+    if window:
+        w_lo, w_end = window
+        inw = (bits >= w_lo) & (bits < w_end)
+        sums[2] = G + float(keys.double().square()[bits >= w_end].sum())
+        sums[3] = X + float(m[bits < w_lo].sum())
+        w_bits, w_m = bits[inw].to(int_dtype), m[inw]
+    else:
+        w_bits, w_m = bits[:0].to(int_dtype), m[:0]
+    if head[0] == 0:  # (no values here: no sums either)
+        keys, m = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.float64)
+    return (torch.tensor(head, dtype=torch.int64), torch.tensor(sums, dtype=torch.float64), hist, w_bits, w_m,
+            keys, m)
 
 
 def prunadag_bracket_reference(params: List[Tensor], grads: List[Tensor], hypers: List[TensorHyper],

@@ -17,7 +17,7 @@ import prunopt.distributed as D
 from prunopt.ops import topk_threshold as one_threshold
 import prunopt.ops.prunadag as ops_prunadag
 from prunopt.optim.prunadag import _NONFINITE, _fused_select, _FusedShare, _Scope
-from prunopt.reference.prunadag import TensorHyper
+from prunopt.reference.prunadag import TensorHyper, _slice_sample
 
 pytestmark = [
     pytest.mark.skipif(dist.is_available() and dist.is_initialized(),
@@ -75,8 +75,9 @@ def small_sample(monkeypatch):
 
 
 def _counting_reads(monkeypatch):
-    """A list that gets, for every ``prunadag_bracket`` pass from now on, the
-    number of elements it reads."""
+    """A list that gets, for every second ``prunadag_bracket`` pass from now
+    on (the first runs inside ``prunadag_slice``), the number of elements it
+    reads."""
     reads = []
     inner = ops_prunadag.prunadag_bracket
 
@@ -177,26 +178,34 @@ def test_nonfinite_gradient_is_reported_not_raised(bad, in_sample, small_sample)
     is then all values) or not."""
     s = _scope(torch.float64, [1400, 50], 1)
     idx = [torch.arange(1400, dtype=torch.float64), torch.arange(1400, 1450, dtype=torch.float64)]
-    sampled = set(torch.cat(D._sample_parts(idx, 1450)).long().tolist())
+    sampled = set(_slice_sample(idx, 1450, D._sample_shape()).long().tolist())
     assert 0 < len(sampled) < 1450
     i = min(sampled) if in_sample else min(set(range(1450)) - sampled)
     s.grads[0 if i < 1400 else 1].view(-1)[i % 1400] = bad
     assert _fused_select(s, [True, True], 400) is _NONFINITE
 
 
-@pytest.mark.parametrize("bracket", ["missed_above", "missed_below", "unbounded"])
-def test_a_bracket_that_misses_costs_a_second_read_not_the_answer(monkeypatch, bracket):
-    """A sample bracket that misses tau makes [L, H] reach past this rank's
-    own bracket: the rank reads x and g a second time with [L, H] and the
-    select stays exact; a bracket with no upper end covers every value (one
-    read, a wide [L, H])."""
+@pytest.mark.parametrize("bracket", ["missed_above", "missed_below", "open_above"])
+def test_a_bracket_that_misses_costs_a_second_read_not_the_answer(monkeypatch, small_sample, bracket):
+    """A sample unlike the rest of the shard (its values scaled up or down)
+    brackets the share away from tau: [L, H] reaches past this rank's own
+    bracket, the rank reads x and g a second time with [L, H] and the select
+    stays exact. A share so near the top that the sample's bracket is open
+    above covers tau: the one read inside prunadag_slice. (Without windows:
+    a bracket holds half a window either side of the share at least, all of
+    a shard this small.)"""
+    monkeypatch.setattr(D, "_WINDOW_WORLD", 0)
     s = _scope(torch.float32, [2000, 345], 4)
-    top = float(torch.cat(s.grads).abs().max())
-    ends = {"missed_above": (top, top), "missed_below": (0.0, 0.0), "unbounded": (0.0, math.inf)}[bracket]
-    monkeypatch.setattr(D, "_bracket_of_sample", lambda sample, share, n_r, spread=0: ends)
+    T = 5 if bracket == "open_above" else 500
+    if bracket != "open_above":
+        idx = [torch.arange(2000, dtype=torch.float64), torch.arange(2000, 2345, dtype=torch.float64)]
+        sampled = _slice_sample(idx, 2345, D._sample_shape()).long()
+        flat = torch.cat(s.grads)
+        flat[sampled] *= 100.0 if bracket == "missed_above" else 1e-3
+        s.grads = list(flat.split([2000, 345]))
     reads = _counting_reads(monkeypatch)
-    _check(s, [True, True], 500, torch.float32)
-    assert reads == ([2345] if bracket == "unbounded" else [2345, 2345])
+    _check(s, [True, True], T, torch.float32)
+    assert reads == ([] if bracket == "open_above" else [2345])
 
 
 def test_small_norms_are_left_to_the_exact_pass(small_sample):
@@ -296,7 +305,7 @@ def test_alike_ranks_read_once_and_meet_twice(monkeypatch):
     T = 40_000
     reads = _counting_reads(monkeypatch)
     got, shares, passes = _simulated_select(scopes, counted, T)
-    assert reads == [200_000, 200_000] and not any(sh.reread for sh in shares)
+    assert reads == [] and not any(sh.reread for sh in shares)  # (the one read is inside prunadag_slice)
     assert passes == 1  # + the first collective: 2
     assert len({sh.own.j for sh in shares}) == 1 and shares[0].own.j <= D._HIST0_BITS
     _assert_exact(got, _merged(scopes), counted[0] * 2, T, torch.float32)
@@ -316,7 +325,7 @@ def test_ranks_whose_bracket_misses_read_again_still_exact(monkeypatch, scale, r
     T = 20_000
     reads = _counting_reads(monkeypatch)
     got, shares, passes = _simulated_select(scopes, counted, T)
-    assert sum(sh.reread for sh in shares) == rereads and reads == [50_000] * (3 + rereads)
+    assert sum(sh.reread for sh in shares) == rereads and reads == [50_000] * rereads
     _assert_exact(got, _merged(scopes), counted[0] * 3, T, torch.float32)
 
 
@@ -419,7 +428,7 @@ def test_alike_ranks_take_one_collective_with_the_norms(dtype, world, monkeypatc
         reads.clear()
         out, calls = _threaded_select(scopes, counted, T, monkeypatch)
         assert calls == [[D._first_size(world) * 8]] * world, (T, calls)
-        assert reads == [40_000] * world
+        assert reads == []  # (each rank's one read is inside prunadag_slice)
         _same_answers(out)
         _assert_exact(out[0], _merged(scopes), counted[0] * world, T, dtype)
 

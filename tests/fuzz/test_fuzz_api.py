@@ -34,8 +34,9 @@ import prunopt.pruning as ppr
 from prunopt.reference import (TensorHyper, fb_conv2d_reference, fb_reconstruct_reference,
                                prunadag_bracket_reference, prunadag_norms_reference, project_budget_reference,
                                project_budget_apply_reference, project_budget_bracket_reference,
-                               rgf_relu_reference, sparse_gate_reference, topk_bracket_reference, topk_slice_reference,
-                               topk_threshold_reference, two_temperature_sigmoid_reference)
+                               prunadag_slice_reference, rgf_relu_reference, sparse_gate_reference,
+                               topk_bracket_reference, topk_slice_reference, topk_threshold_reference,
+                               two_temperature_sigmoid_reference)
 
 from _fuzz import assert_clean_error, call, fuzz_settings, same_bits, tensor
 
@@ -128,7 +129,8 @@ def _check_bracket(out, kw):
 
 def _check_slice(out, kw):
     values = [kw["values"]] if isinstance(kw["values"], torch.Tensor) else kw["values"]
-    want = topk_slice_reference(values, kw["share"], kw["buckets"], kw["cap"])
+    want = topk_slice_reference(values, kw["share"], kw["buckets"], kw["cap"],
+                                kw.get("sample", (1 << 15, 1 << 20, 128)))
     assert all(torch.equal(o, w) for o, w in zip(out, want))
 
 
@@ -138,6 +140,16 @@ def _check_prunadag_bracket(out, kw):
     summary, keys, m = prunadag_bracket_reference(kw["params"], kw["grads"], hypers, kw["lo"], kw["hi"])
     torch.testing.assert_close(out[0], summary, atol=1e-6, rtol=1e-6)
     assert torch.equal(out[1], keys) and torch.equal(out[2], m)
+
+
+def _check_prunadag_slice(out, kw):
+    hypers = [TensorHyper(lr=r[0], weight_decay=r[2], maximize=bool(r[4]), prune=bool(r[5]))
+              for r in kw["hyper"].tolist()]
+    want = prunadag_slice_reference(kw["params"], kw["grads"], hypers, kw["share"], kw["buckets"], kw["cap"],
+                                    kw.get("sample", (1 << 15, 1 << 20, 128)))
+    for i in (0, 2, 3, 4, 5, 6):
+        assert torch.equal(out[i], want[i]), i
+    torch.testing.assert_close(out[1], want[1], atol=1e-6, rtol=1e-6)
 
 
 def _check_norms(out, kw):
@@ -180,6 +192,12 @@ ENTRIES: Dict[str, Entry] = {
         grads=[tensor((5,), torch.float32, 3), tensor((2, 3), torch.float32, 4)],
         hyper=torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0], [0.1, 0.1, 0.01, 1e-10, 1.0, 1.0]], dtype=torch.float64),
         lo=0.25, hi=1.5), check=lambda out, kw: _check_prunadag_bracket(out, kw),
+        aliases={"params": ["params", "grads"]}),
+    "ops.prunadag_slice": Entry(pops.prunadag_slice, lambda: dict(
+        params=[tensor((5,), torch.float32, 1), tensor((2, 3), torch.float32, 2)],
+        grads=[tensor((5,), torch.float32, 3), tensor((2, 3), torch.float32, 4)],
+        hyper=torch.tensor([[0.1, 0.1, 0.0, 1e-10, 0.0, 1.0], [0.1, 0.1, 0.01, 1e-10, 1.0, 1.0]], dtype=torch.float64),
+        share=3, buckets=8, cap=4), check=lambda out, kw: _check_prunadag_slice(out, kw),
         aliases={"params": ["params", "grads"]}),
     "ops.fb_reconstruct": Entry(pops.fb_reconstruct, lambda: dict(coefficients=tensor((3, 2, 4), torch.float32, 1),
                                                                   basis=tensor((4, 3, 3), torch.float32, 2),

@@ -35,7 +35,8 @@ from prunopt.reference import (REFERENCE_FOR_OP, TensorHyper, project_budget_app
                                fb_reconstruct_reference, prunadag_bracket_reference, prunadag_norms_reference,
                                prunadag_step_reference, project_budget_sort, rgf_relu_backward_reference,
                                rgf_relu_reference, sparse_gate_backward_reference, sparse_gate_reference,
-                               topk_bracket_reference, topk_slice_reference, topk_threshold_reference,
+                               prunadag_slice_reference, topk_bracket_reference, topk_slice_reference,
+                               topk_threshold_reference,
                                two_temperature_sigmoid_backward_reference, two_temperature_sigmoid_reference)
 from prunopt.testing import tolerance
 
@@ -373,19 +374,23 @@ def _topk_slice(d) -> Case:
     buckets = d.draw(st.sampled_from([1, 3, 64, 2042]), label="buckets")
     cap = d.draw(st.sampled_from([0, 1, 16, 8184]), label="cap")
 
+    sample = d.draw(st.sampled_from([[32768, 1 << 20, 128], [8, 8, 2], [4, 40, 1]]), label="sample")
+
     def check(out, after):
-        want = topk_slice_reference(values, share, buckets, cap)
+        want = topk_slice_reference(values, share, buckets, cap, sample)
         assert all(same_bits(o, w) for o, w in zip(out, want))
 
     faults = [Fault("buckets = 0", lambda x: _with(x, 2, 0), ["buckets"]),
               Fault("negative cap", lambda x: _with(x, 3, -1), ["cap"]),
               Fault("share float", lambda x: _with(x, 1, 1.5), ["share"]),
+              Fault("sample max < min", lambda x: _with(x, 4, [8, 4, 2]), ["sample"]),
+              Fault("sample of two", lambda x: _with(x, 4, [8, 8]), ["sample"]),
               Fault("empty values", lambda x: _with(x, 0, []), ["values"]),
               Fault("int values", lambda x: _with(x, (0, 0), _int_like(x[0][0])), ["values"]),
               Fault("None values", lambda x: _with(x, (0, 0), None), ["values"]),
               Fault("mixed dtypes", lambda x: _with(x, 0, x[0] + [torch.zeros(2, dtype=F64 if dtype == F32 else F32)]),
                     ["values"])]
-    return Case(torch.ops.prunopt.topk_slice, [values, share, buckets, cap], check, faults)
+    return Case(torch.ops.prunopt.topk_slice, [values, share, buckets, cap, sample], check, faults)
 
 
 def _prunadag_lists(d, dtype):
@@ -460,6 +465,40 @@ def _prunadag_bracket(d) -> Case:
         if dtype == F32:
             faults.append(Fault("lo not a float", lambda x: _with(x, 3, 0.1), ["lo"]))
     return Case(torch.ops.prunopt.prunadag_bracket, args, check, faults)
+
+
+def _prunadag_slice(d) -> Case:
+    dtype = d.draw(st.sampled_from([F32, F64]), label="dtype")
+    shapes, xs, gs, hypers = _prunadag_lists(d, dtype)
+    if not shapes:  # (the op needs one tensor for its dtype: an empty one)
+        shapes, xs, gs = [0], [torch.zeros(0, dtype=dtype)], [torch.zeros(0, dtype=dtype)]
+        hypers = [TensorHyper(lr=0.1, eps=1e-8)]
+    n = sum(s for s, h in zip(shapes, hypers) if h.prune)
+    share = d.draw(st.integers(-1, n + 1), label="share")
+    buckets = d.draw(st.sampled_from([1, 64, 2042]), label="buckets")
+    cap = d.draw(st.sampled_from([0, 4, 4094]), label="cap")
+    sample = d.draw(st.sampled_from([[32768, 1 << 20, 128], [8, 8, 2]]), label="sample")
+    args = [xs, gs, _hyper(hypers), share, buckets, cap, sample]
+
+    def check(out, after):
+        want = prunadag_slice_reference(xs, gs, hypers, share, buckets, cap, sample)
+        for i in (0, 2, 3, 4, 5, 6):
+            assert same_bits(out[i], want[i]), i
+        torch.testing.assert_close(out[1], want[1], atol=1e-6, rtol=1e-5 if dtype != F64 else 1e-12)
+
+    faults = [Fault("grads count", lambda x: _with(x, 1, x[1] + [torch.zeros(1, dtype=dtype)]), ["grads"]),
+              Fault("hyper dtype", lambda x: _with(x, 2, x[2].float()), ["hyper"]),
+              Fault("hyper rows", lambda x: _with(x, 2, torch.zeros(len(shapes) + 1, 6, dtype=F64)), ["hyper"]),
+              Fault("empty params", lambda x: _with(_with(_with(x, 0, []), 1, []), 2, torch.zeros(0, 6, dtype=F64)),
+                    ["params"]),
+              Fault("buckets = 0", lambda x: _with(x, 4, 0), ["buckets"]),
+              Fault("negative cap", lambda x: _with(x, 5, -1), ["cap"]),
+              Fault("sample max < min", lambda x: _with(x, 6, [8, 4, 2]), ["sample"]),
+              Fault("grads shape", lambda x: _with(x, (1, 0), torch.zeros(shapes[0] + 1, dtype=dtype)), ["grads"]),
+              Fault("grads dtype", lambda x: _with(x, (1, 0), x[1][0].to(F64 if dtype != F64 else F32)), ["grads"]),
+              Fault("int params", lambda x: _with(x, (0, 0), _int_like(x[0][0])), ["params"]),
+              Fault("half params", lambda x: _with(x, 0, [t.half() for t in x[0]]), ["params"])]
+    return Case(torch.ops.prunopt.prunadag_slice, args, check, faults)
 
 
 # ----------------------------------------------------------- interspace (FB)
@@ -815,6 +854,7 @@ BUILDERS = {
     "prunadag_step_": _prunadag,
     "prunadag_norms": _prunadag_norms,
     "prunadag_bracket": _prunadag_bracket,
+    "prunadag_slice": _prunadag_slice,
     "fb_reconstruct": _fb_reconstruct,
     "fb_reconstruct_backward": _fb_reconstruct_backward,
     "fb_conv2d": _fb_conv2d,
