@@ -284,13 +284,19 @@ class _WaitChooser:
       other way; each such call is compared with the median of the chosen
       way's last ``recent`` calls, made just before it.
 
+    One comparison is noisy (each rank's wait includes the other rank's
+    lateness, which varies by more than the ways differ), and after the
+    warm-up new ones come only from the explored calls, so the warm-up sets
+    the choice for a long while: 16 pairs by default (with 5, 2-rank runs of
+    the sharded threshold kept the slower way in 2 of 3 runs).
+
     A way's old timings never stand against the other's new ones (as medians
     of each way's own last calls would, when one way is explored only now and
     then). Only the waiting changes, never what the collective computes, so
     every rank chooses for itself (the draws come from a private generator:
     the user's random streams are untouched)."""
 
-    def __init__(self, poll_s: float = _AUTO_POLL_S, window: int = 31, warmup: int = 5, explore: int = 16,
+    def __init__(self, poll_s: float = _AUTO_POLL_S, window: int = 31, warmup: int = 16, explore: int = 16,
                  seed: int = 0, recent: int = 5):
         self.poll_s, self.window, self.warmup, self.explore, self.recent = poll_s, window, warmup, explore, recent
         self._kinds: dict = {}
