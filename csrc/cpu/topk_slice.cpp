@@ -141,6 +141,41 @@ Grid make_grid(int64_t first, int64_t end, int64_t buckets) {
   return g;
 }
 
+// The checks of a list against its first tensor (the messages of
+// topk_bracket's and prunadag_bracket's checks).
+void check_like(at::TensorList ts, const at::Tensor& ref, const char* op, const char* name) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    TORCH_CHECK_VALUE(ts[i].scalar_type() == ref.scalar_type(), op, ": ", name, "[", i, "] must have dtype ",
+        ref.scalar_type(), ", got ", ts[i].scalar_type());
+    TORCH_CHECK_VALUE(ts[i].device() == ref.device(), op, ": ", name, "[", i, "] must be on ", ref.device());
+    TORCH_CHECK_VALUE(ts[i].layout() == at::kStrided, op, ": ", name, "[", i, "] must be a dense (strided) tensor");
+  }
+}
+
+// The slice ops' common arguments, checked; the format of a float32 or
+// float64 dtype.
+SampleShape slice_args(int64_t buckets, int64_t cap, at::IntArrayRef sample, const char* op) {
+  TORCH_CHECK_VALUE(buckets >= 1, op, ": buckets must be >= 1, got ", buckets);
+  TORCH_CHECK_VALUE(cap >= 0, op, ": cap must be >= 0, got ", cap);
+  return sample_shape(sample, op);
+}
+
+Fmt fmt_of(at::ScalarType t) {
+  return t == at::kFloat ? Fmt{true, int64_t{0x7f7fffff}} : Fmt{false, int64_t{0x7fefffffffffffff}};
+}
+
+// The grid of a bracket (lo, hi) of values (hi may be inf: up to the largest
+// finite), and the end (exclusive) of the bit patterns a pass over it reads.
+Grid grid_of_bracket(const std::pair<double, double>& br, int64_t buckets, const Fmt& f) {
+  const int64_t first = value_bits(br.first, f);
+  const int64_t end = std::min(std::isinf(br.second) ? f.top + 1 : value_bits(br.second, f), f.top) + 1;
+  return make_grid(first, end, buckets);
+}
+
+int64_t scan_end(const Grid& g, const Fmt& f) {
+  return static_cast<int64_t>(std::min<uint64_t>(g.stop, static_cast<uint64_t>(f.top + 1)));
+}
+
 at::Tensor kth_largest(const at::Tensor& sample, int64_t r) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("prunopt::topk_threshold", "")
@@ -318,6 +353,64 @@ std::optional<std::pair<int64_t, int64_t>> window_range(const int64_t* h, int64_
       static_cast<int64_t>(std::min<uint64_t>(end, static_cast<uint64_t>(f.top + 1))));
 }
 
+// The candidates' magnitude bit patterns (on the host), by index; masked to
+// the magnitude: the passes write |v|, never -0.0, and a sign bit here would
+// index out of the grid.
+struct Keys {
+  const int32_t* k32 = nullptr;
+  const int64_t* k64 = nullptr;
+  int64_t n = 0;
+
+  Keys(const at::Tensor& bits, bool f32) : n(bits.numel()) {
+    if (n) {
+      if (f32) {
+        k32 = bits.data_ptr<int32_t>();
+      } else {
+        k64 = bits.data_ptr<int64_t>();
+      }
+    }
+  }
+
+  int64_t operator()(int64_t i) const {
+    return k32 ? static_cast<int64_t>(k32[i] & 0x7fffffff) : (k64[i] & int64_t{0x7fffffffffffffff});
+  }
+};
+
+// After the pass (both slice ops): a bracket open above ends its grid at the
+// largest candidate; the candidates' histogram on the grid; the slice's head
+// fields (head[9] = -1 until a window is taken). Returns the histogram (on
+// the host) and the window's range (none without a window).
+std::pair<at::Tensor, std::optional<std::pair<int64_t, int64_t>>> finish_slice(const Keys& key, Grid& g,
+    bool open_above, int64_t buckets, int64_t n_r, int64_t above, bool bad, int64_t scan_start, int64_t scan_stop,
+    int64_t share, int64_t cap, const Fmt& f, std::vector<int64_t>& head) {
+  if (open_above && key.n && !bad) {
+    int64_t mx = 0;
+    for (int64_t i = 0; i < key.n; ++i) {
+      mx = std::max(mx, key(i));
+    }
+    g = make_grid(g.start, mx + 1, buckets);
+  }
+  const int64_t nb = static_cast<int64_t>((g.stop - static_cast<uint64_t>(g.start)) >> g.j);
+  at::Tensor hist = at::zeros({nb}, at::TensorOptions().dtype(at::kLong));
+  int64_t* h = hist.data_ptr<int64_t>();
+  for (int64_t i = 0; i < key.n; ++i) {
+    ++h[(key(i) - g.start) >> g.j];
+  }
+  head[0] = n_r;
+  head[1] = above;
+  head[2] = g.start;
+  head[3] = g.j;
+  head[4] = nb;
+  head[5] = bad ? 1 : 0;
+  head[9] = -1;
+  head[10] = scan_start;
+  head[11] = scan_stop;
+  if (bad || cap == 0) {
+    return {hist, std::nullopt};
+  }
+  return {hist, window_range(h, nb, above, share, cap, g, f)};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_slice(at::TensorList values, int64_t share,
@@ -327,17 +420,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_slice(at::Tensor
   const auto& v0 = values[0];
   TORCH_CHECK_VALUE(v0.scalar_type() == at::kFloat || v0.scalar_type() == at::kDouble, op,
       ": values must be float32 or float64, got ", v0.scalar_type());
-  for (size_t i = 0; i < values.size(); ++i) {  // (the messages of topk_bracket's checks)
-    TORCH_CHECK_VALUE(values[i].scalar_type() == v0.scalar_type(), op, ": values[", i, "] must have dtype ",
-        v0.scalar_type(), ", got ", values[i].scalar_type());
-    TORCH_CHECK_VALUE(values[i].device() == v0.device(), op, ": values[", i, "] must be on ", v0.device());
-    TORCH_CHECK_VALUE(values[i].layout() == at::kStrided, op, ": values[", i, "] must be a dense (strided) tensor");
-  }
-  TORCH_CHECK_VALUE(buckets >= 1, op, ": buckets must be >= 1, got ", buckets);
-  TORCH_CHECK_VALUE(cap >= 0, op, ": cap must be >= 0, got ", cap);
-  const SampleShape sh = sample_shape(sample, op);
-  const Fmt f{v0.scalar_type() == at::kFloat,
-      v0.scalar_type() == at::kFloat ? int64_t{0x7f7fffff} : int64_t{0x7fefffffffffffff}};
+  check_like(values, v0, op, "values");
+  const SampleShape sh = slice_args(buckets, cap, sample, op);
+  const Fmt f = fmt_of(v0.scalar_type());
   const auto int_type = f.f32 ? at::kInt : at::kLong;
   const auto dev = v0.device();
   const auto i64 = v0.options().dtype(at::kLong);
@@ -369,11 +454,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_slice(at::Tensor
     }
     br = bracket_of_sample(smp, share, n_r, cap / 2);
   }
-  const int64_t first = value_bits(br.first, f);
-  const int64_t end = std::min(br.second == inf ? f.top + 1 : value_bits(br.second, f), f.top) + 1;
-  Grid g = make_grid(first, end, buckets);
-  const int64_t scan_start = g.start;
-  const int64_t scan_stop = static_cast<int64_t>(std::min<uint64_t>(g.stop, static_cast<uint64_t>(f.top + 1)));
+  Grid g = grid_of_bracket(br, buckets, f);
+  const int64_t scan_start = g.start, scan_stop = scan_end(g, f);
   int64_t above = 0;
   bool bad = false;
   at::Tensor inside = at::empty({0}, v0.options());
@@ -387,39 +469,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_slice(at::Tensor
   const at::Tensor bits_dev = inside.view(int_type);
   const at::Tensor bits = bits_dev.device().is_cpu() ? bits_dev : bits_dev.cpu();
   const int64_t nc = bits.numel();
-  const int32_t* k32 = f.f32 && nc ? bits.data_ptr<int32_t>() : nullptr;
-  const int64_t* k64 = !f.f32 && nc ? bits.data_ptr<int64_t>() : nullptr;
-  // (masked to the magnitude: the passes write |v|, never -0.0, and a sign bit here would index out of the grid)
-  auto key = [&](int64_t i) -> int64_t {
-    return k32 ? static_cast<int64_t>(k32[i] & 0x7fffffff) : (k64[i] & int64_t{0x7fffffffffffffff});
-  };
-  if (br.second == inf && nc && !bad) {
-    // a bracket open above: the grid ends at the largest candidate
-    int64_t mx = 0;
-    for (int64_t i = 0; i < nc; ++i) {
-      mx = std::max(mx, key(i));
-    }
-    g = make_grid(g.start, mx + 1, buckets);
-  }
-  const int64_t nb = static_cast<int64_t>((g.stop - static_cast<uint64_t>(g.start)) >> g.j);
-  at::Tensor hist = at::zeros({nb}, i64.device(at::kCPU));
-  int64_t* h = hist.data_ptr<int64_t>();
-  for (int64_t i = 0; i < nc; ++i) {
-    ++h[(key(i) - g.start) >> g.j];
-  }
-  head[0] = n_r;
-  head[1] = above;
-  head[2] = g.start;
-  head[3] = g.j;
-  head[4] = nb;
-  head[5] = bad ? 1 : 0;
-  head[10] = scan_start;
-  head[11] = scan_stop;
+  const Keys key(bits, f.f32);
+  const bool k32 = f.f32;
+  const auto [hist, range] = finish_slice(key, g, br.second == inf, buckets, n_r, above, bad, scan_start, scan_stop,
+      share, cap, f, head);
   // the window: whole grid buckets around the share's, at most cap candidates
-  head[9] = -1;
   at::Tensor window = at::empty({0}, bits.options());
-  const auto range = bad || cap == 0 ? std::optional<std::pair<int64_t, int64_t>>() : window_range(h, nb, above,
-      share, cap, g, f);
   if (range) {
     const auto [w_lo, w_end] = *range;
     // two branch-free passes (the candidates fall in and out of the window at
@@ -486,26 +541,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const auto& p0 = params[0];
   TORCH_CHECK_VALUE(p0.scalar_type() == at::kFloat || p0.scalar_type() == at::kDouble, op,
       ": params must be float32 or float64, got ", p0.scalar_type());
-  for (const auto* list : {&params, &grads}) {
-    const char* name = list == &params ? "params" : "grads";
-    for (size_t i = 0; i < nt; ++i) {
-      const auto& t = (*list)[i];
-      TORCH_CHECK_VALUE(t.scalar_type() == p0.scalar_type(), op, ": ", name, "[", i, "] must have dtype ",
-          p0.scalar_type(), ", got ", t.scalar_type());
-      TORCH_CHECK_VALUE(t.device() == p0.device(), op, ": ", name, "[", i, "] must be on ", p0.device());
-      TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", name, "[", i, "] must be a dense (strided) tensor");
-    }
-  }
+  check_like(params, p0, op, "params");
+  check_like(grads, p0, op, "grads");
   for (size_t i = 0; i < nt; ++i) {
     TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes(), op, ": grads[", i, "] must have the shape of params[",
         i, "] ", params[i].sizes());
   }
   TORCH_CHECK_VALUE(hyper.device() == p0.device(), op, ": hyper must be on ", p0.device(), ", got ", hyper.device());
-  TORCH_CHECK_VALUE(buckets >= 1, op, ": buckets must be >= 1, got ", buckets);
-  TORCH_CHECK_VALUE(cap >= 0, op, ": cap must be >= 0, got ", cap);
-  const SampleShape sh = sample_shape(sample, op);
-  const Fmt f{p0.scalar_type() == at::kFloat,
-      p0.scalar_type() == at::kFloat ? int64_t{0x7f7fffff} : int64_t{0x7fefffffffffffff}};
+  const SampleShape sh = slice_args(buckets, cap, sample, op);
+  const Fmt f = fmt_of(p0.scalar_type());
   const auto int_type = f.f32 ? at::kInt : at::kLong;
   const auto dev = p0.device();
   const auto i64 = p0.options().dtype(at::kLong);
@@ -596,11 +640,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
     br = bracket_of_sample(smp, share, n_r, cap / 2);
   }
-  const int64_t first = value_bits(br.first, f);
-  const int64_t end = std::min(br.second == inf ? f.top + 1 : value_bits(br.second, f), f.top) + 1;
-  Grid g = make_grid(first, end, buckets);
-  const int64_t scan_start = g.start;
-  const int64_t scan_stop = static_cast<int64_t>(std::min<uint64_t>(g.stop, static_cast<uint64_t>(f.top + 1)));
+  Grid g = grid_of_bracket(br, buckets, f);
+  const int64_t scan_start = g.start, scan_stop = scan_end(g, f);
   const auto got = prunadag_bracket_pass(params, grads, hyper, bits_value(g.start, f), bits_value(scan_stop - 1, f));
   const at::Tensor summary = std::get<0>(got).to(at::kCPU);
   const double* sm = summary.data_ptr<double>();
@@ -617,38 +658,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor bits = inside.view(int_type).to(at::kCPU);
   const at::Tensor mh = inside_m.to(at::kCPU).contiguous();
   const int64_t nc = bits.numel();
-  const int32_t* k32 = f.f32 && nc ? bits.data_ptr<int32_t>() : nullptr;
-  const int64_t* k64 = !f.f32 && nc ? bits.data_ptr<int64_t>() : nullptr;
   const double* mp = nc ? mh.data_ptr<double>() : nullptr;
-  // (masked to the magnitude: the passes write |v|, never -0.0, and a sign bit here would index out of the grid)
-  auto key = [&](int64_t i) -> int64_t {
-    return k32 ? static_cast<int64_t>(k32[i] & 0x7fffffff) : (k64[i] & int64_t{0x7fffffffffffffff});
-  };
-  if (br.second == inf && nc && !bad) {  // a bracket open above: the grid ends at the largest candidate
-    int64_t mxk = 0;
-    for (int64_t i = 0; i < nc; ++i) {
-      mxk = std::max(mxk, key(i));
-    }
-    g = make_grid(g.start, mxk + 1, buckets);
-  }
-  const int64_t nb = static_cast<int64_t>((g.stop - static_cast<uint64_t>(g.start)) >> g.j);
-  at::Tensor hist = at::zeros({nb}, i64.device(at::kCPU));
-  int64_t* h = hist.data_ptr<int64_t>();
-  for (int64_t i = 0; i < nc; ++i) {
-    ++h[(key(i) - g.start) >> g.j];
-  }
-  head[0] = n_r;
-  head[1] = above;
-  head[2] = g.start;
-  head[3] = g.j;
-  head[4] = nb;
-  head[5] = bad ? 1 : 0;
-  head[9] = -1;
-  head[10] = scan_start;
-  head[11] = scan_stop;
+  const Keys key(bits, f.f32);
+  const bool k32 = f.f32;
+  const auto [hist, range] = finish_slice(key, g, br.second == inf, buckets, n_r, above, bad, scan_start, scan_stop,
+      share, cap, f, head);
   at::Tensor wbits = at::empty({0}, bits.options()), wm = at::empty({0}, mh.options());
-  const auto range = bad || cap == 0 ? std::optional<std::pair<int64_t, int64_t>>() : window_range(h, nb, above,
-      share, cap, g, f);
   if (range) {
     const auto [w_lo, w_end] = *range;
     const uint64_t width = static_cast<uint64_t>(w_end - w_lo);

@@ -78,6 +78,16 @@ def topk_threshold(values: TensorOrList, k: int) -> Tensor:
     return _topk_threshold_reference(vals, k)
 
 
+def _value_list(values) -> List[Tensor]:
+    """``values`` of the bracket ops as a list: a tensor, or a non-empty list
+    or tuple of tensors (``TypeError`` otherwise)."""
+    if isinstance(values, Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)) and values and all(isinstance(v, Tensor) for v in values):
+        return list(values)
+    raise TypeError("values must be a Tensor or a non-empty list/tuple of Tensors")
+
+
 def _check_bounds(lo, hi) -> None:
     """``lo`` and ``hi`` real numbers within the float range."""
     for name, b in (("lo", lo), ("hi", hi)):
@@ -108,12 +118,7 @@ def topk_bracket(values: TensorOrList, lo: float, hi: float):
     """
     from prunopt.reference.prunadag import topk_bracket_reference
 
-    if isinstance(values, Tensor):
-        vals = [values]
-    elif isinstance(values, (list, tuple)) and values and all(isinstance(v, Tensor) for v in values):
-        vals = list(values)
-    else:
-        raise TypeError("values must be a Tensor or a non-empty list/tuple of Tensors")
+    vals = _value_list(values)
     _check_bounds(lo, hi)
     if not (0.0 <= lo <= hi):
         raise ValueError(f"the bracket must satisfy 0 <= lo <= hi, got lo={lo}, hi={hi}")
@@ -195,12 +200,7 @@ def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int, sample=
     """
     from prunopt.reference.prunadag import topk_slice_reference
 
-    if isinstance(values, Tensor):
-        vals = [values]
-    elif isinstance(values, (list, tuple)) and values and all(isinstance(v, Tensor) for v in values):
-        vals = list(values)
-    else:
-        raise TypeError("values must be a Tensor or a non-empty list/tuple of Tensors")
+    vals = _value_list(values)
     share, buckets, cap = _check_int(share, "share"), _check_int(buckets, "buckets"), _check_int(cap, "cap")
     if buckets < 1:
         raise ValueError(f"buckets must be >= 1, got {buckets}")

@@ -10,22 +10,12 @@ from hypothesis import example, given, settings, strategies as st
 import prunopt
 from prunopt.ops import prunadag_slice, topk_slice
 from prunopt.reference.prunadag import SLICE_SAMPLE, topk_slice_reference
+from tests.ops.test_prunadag_ops import _values
 
 needs_ext = pytest.mark.skipif(not prunopt.extension_available(), reason="compiled extension not built")
 
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64}
 _TOP = {torch.float32: 0x7F7FFFFF, torch.float64: 0x7FEFFFFFFFFFFFFF}
-
-
-def _values(sizes, dtype, seed, ties, scale):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in sizes:
-        v = torch.randn(n, generator=g, dtype=torch.float64) * scale
-        if ties:
-            v = (v * 2).round() / 2  # many equal magnitudes, zeros and +-0
-        out.append(v.to(dtype))
-    return out
 
 
 def _same(a, b):
