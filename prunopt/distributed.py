@@ -1050,52 +1050,11 @@ class _OwnSlice:
         """Step 1 and the window of the plain select in one call of the fused
         op ``prunopt::topk_slice`` (its sample's bracket, its pass, and a
         window of at most ``cap`` values: the candidates of whole grid
-        buckets around the share, see :meth:`window_range`):
+        buckets around the share):
         ``(slice, (window head, window bits or None))``."""
         head, hist, bits, inside = torch.ops.prunopt.topk_slice(values, -(-k // world), buckets, cap, _sample_shape())
         h = head.tolist()
         return cls(h, hist, inside, values[0].dtype), (h[6:10], bits if h[9] > 0 else None)
-
-    def window_range(self, share: int, cap: int) -> Optional[Tuple[int, int]]:
-        """The bit patterns ``[lo, end)`` of whole grid buckets around the
-        bucket of this rank's ``share``-th largest, as many buckets either
-        side as hold at most ``cap`` candidates in all; ``None`` when that
-        bucket alone holds more (or on a non-finite value). Only for a rank
-        with values."""
-        if self.bad:
-            return None
-        nb = (self.stop - self.start) >> self.j
-        ge = np.full(nb + 1, self.above, dtype=np.int64)  # ge[i]: values >= start + i 2**j
-        if self.hist.numel():
-            ge[:nb] += np.cumsum(self.hist.numpy()[::-1])[::-1]
-        centre = max(int(np.count_nonzero(ge[:nb] >= share)) - 1, 0)  # ge is non-increasing
-
-        def span(r: int) -> Tuple[int, int]:
-            return max(centre - r, 0), min(centre + 1 + r, nb)
-
-        def fits(r: int) -> bool:
-            a, b = span(r)
-            return int(ge[a] - ge[b]) <= cap
-
-        if not fits(0):
-            return None
-        lo_r, hi_r = 0, nb  # the widest radius that fits
-        while lo_r < hi_r:
-            mid = (lo_r + hi_r + 1) // 2
-            if fits(mid):
-                lo_r = mid
-            else:
-                hi_r = mid - 1
-        first, last = span(lo_r)
-        # (no value lies beyond the largest finite: the end is at most top + 1)
-        return self.start + (first << self.j), min(self.start + (last << self.j), _max_finite_bits(self.dtype) + 1)
-
-    def window_head(self, a: int, lo: int, end: int, m: int) -> List[int]:
-        """A window's head ``[a, lo, end, m]``, opened where nothing lies
-        beyond it: a window with nothing above it (``a = 0``) counts exactly
-        for every ``t >= lo`` (its end becomes ``top + 1``), one with nothing
-        below it (``a + m = n_r``) for every ``t < end`` (it starts at 0)."""
-        return [a, lo if a + m < self.n_r else 0, end if a else _max_finite_bits(self.dtype) + 1, m]
 
     def covers(self, lo_bits: int, hi_bits: int) -> bool:
         """Whether this rank's bracket holds ``[L, H]`` (bit patterns): then

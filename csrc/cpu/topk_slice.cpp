@@ -190,6 +190,12 @@ std::tuple<at::Tensor, at::Tensor> bracket_pass(at::TensorList values, double lo
   return op.call(values, lo, hi);
 }
 
+// The sample's size for n_r values: about (6 n_r)^(2/3) within [min, max].
+int64_t sample_size(int64_t n_r, const SampleShape& sh) {
+  return std::min(
+      std::max(static_cast<int64_t>(std::pow(kSampleScale * static_cast<double>(n_r), 2.0 / 3.0)), sh.min), sh.max);
+}
+
 // The fixed sample of n_r values in tensors of `sizes` elements (all of them
 // when they are few), written by fill(t, begin, count, out) (the magnitudes
 // of `count` values of tensor t from `begin`) into a buffer of this thread
@@ -199,8 +205,7 @@ std::tuple<at::Tensor, at::Tensor> bracket_pass(at::TensorList values, double lo
 template <typename scalar_t, typename Fill, typename Ahead>
 at::Tensor sample_with(const std::vector<int64_t>& sizes, int64_t n_r, const SampleShape& sh, Fill&& fill,
     Ahead&& ahead) {
-  const int64_t size = std::min(
-      std::max(static_cast<int64_t>(std::pow(kSampleScale * static_cast<double>(n_r), 2.0 / 3.0)), sh.min), sh.max);
+  const int64_t size = sample_size(n_r, sh);
   const int64_t kSampleBlock = sh.block;
   const bool all = n_r <= size;
   const int64_t every = all ? 1 : n_r / size;
@@ -272,8 +277,7 @@ at::Tensor sample_of(const std::vector<at::Tensor>& flat, int64_t n_r, const Sam
 
 // The same sample on another device (ATen ops on the values' device).
 at::Tensor sample_on_device(const std::vector<at::Tensor>& flat, int64_t n_r, const SampleShape& sh) {
-  const int64_t size = std::min(
-      std::max(static_cast<int64_t>(std::pow(kSampleScale * static_cast<double>(n_r), 2.0 / 3.0)), sh.min), sh.max);
+  const int64_t size = sample_size(n_r, sh);
   const int64_t kSampleBlock = sh.block;
   std::vector<at::Tensor> parts;
   if (n_r <= size) {

@@ -26,6 +26,7 @@ from prunopt._extension import extension_available
 from prunopt.ops import _fake_checks as _fc
 from prunopt.ops._registry import TensorOrList, _kernel_devices
 from prunopt.reference.prunadag import topk_threshold_reference as _topk_threshold_reference
+from prunopt.validation import check_int
 
 __all__ = ["topk_threshold", "topk_bracket", "topk_slice", "prunadag_norms", "prunadag_bracket", "prunadag_slice",
            "PRUNADAG_DEVICES"]
@@ -133,17 +134,11 @@ def topk_bracket(values: TensorOrList, lo: float, hi: float):
 _BRACKET_DEVICES = _kernel_devices("topk_bracket")
 
 
-def _check_int(v, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    return v
-
-
 def _check_sample(sample) -> List[int]:
     """``(min, max, block)`` of a slice op's sample, checked."""
     if not isinstance(sample, (list, tuple)) or len(sample) != 3:
         raise TypeError(f"sample must be a (min, max, block) tuple of ints, got {sample!r}")
-    lo, hi, block = (_check_int(v, "sample") for v in sample)
+    lo, hi, block = (check_int(v, "sample") for v in sample)
     if not (1 <= lo <= hi and 1 <= block <= 4096):
         raise ValueError(f"sample must be (min, max, block) with 1 <= min <= max and 1 <= block <= 4096, got {sample}")
     return [lo, hi, block]
@@ -201,11 +196,7 @@ def topk_slice(values: TensorOrList, share: int, buckets: int, cap: int, sample=
     from prunopt.reference.prunadag import topk_slice_reference
 
     vals = _value_list(values)
-    share, buckets, cap = _check_int(share, "share"), _check_int(buckets, "buckets"), _check_int(cap, "cap")
-    if buckets < 1:
-        raise ValueError(f"buckets must be >= 1, got {buckets}")
-    if cap < 0:
-        raise ValueError(f"cap must be >= 0, got {cap}")
+    share, buckets, cap = check_int(share, "share"), check_int(buckets, "buckets", 1), check_int(cap, "cap", 0)
     sample = _check_sample(sample)
     for i, v in enumerate(vals):
         if v.dtype not in (torch.float32, torch.float64) or v.dtype != vals[0].dtype or v.device != vals[0].device:
@@ -363,7 +354,7 @@ def prunadag_slice(params: List[Tensor], grads: List[Tensor], hyper: Tensor, sha
             raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
     if not isinstance(hyper, Tensor):
         raise TypeError(f"hyper must be a float64 tensor, got {type(hyper).__name__}")
-    share, buckets, cap = _check_int(share, "share"), _check_int(buckets, "buckets"), _check_int(cap, "cap")
+    share, buckets, cap = check_int(share, "share"), check_int(buckets, "buckets"), check_int(cap, "cap")
     sample = _check_sample(sample)
     if params and params[0].device.type in _PRUNADAG_SLICE_DEVICES:
         return torch.ops.prunopt.prunadag_slice(list(params), list(grads), hyper, share, buckets, cap, sample)
