@@ -90,11 +90,18 @@ Group = Union[None, "dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMe
 # DTensor and group helpers
 # ---------------------------------------------------------------------------
 
+_DTENSOR = None  # the DTensor class once torch.distributed.tensor is imported
+
+
 def _dtensor_class():
     # A DTensor can only exist once torch.distributed.tensor is imported; looking it
-    # up in sys.modules keeps ``import prunopt.distributed`` from paying that import.
-    mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None) if mod is not None else None
+    # up in sys.modules keeps ``import prunopt.distributed`` from paying that import
+    # (and once found, the class is kept: an optimizer step asks for every tensor)
+    global _DTENSOR
+    if _DTENSOR is None:
+        mod = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(mod, "DTensor", None) if mod is not None else None
+    return _DTENSOR
 
 
 def _device_mesh_class():
@@ -112,7 +119,8 @@ def local_tensor(t: Tensor) -> Tensor:
     """This rank's part of ``t``: ``t.to_local()`` for a DTensor (a view of its
     local shard, so in-place writes reach the DTensor), ``t`` itself for a plain
     tensor."""
-    if is_distributed_tensor(t):
+    cls = _dtensor_class()
+    if cls is not None and isinstance(t, cls):
         return t.to_local()
     if isinstance(t, Tensor):
         return t

@@ -56,6 +56,7 @@ class ShardedView:
         # a replicated plain tensor is counted on the rank at coordinate 0 of every mesh dimension
         self._plain_counts = all(c == 0 for c in coord)
         self.device = dts[0].to_local().device
+        self._counts = {}  # placements -> counts_locally (one mesh: the placements decide)
 
     def local(self, t: Tensor) -> Tensor:
         """This rank's part of ``t`` (a view: in-place writes reach the DTensor)."""
@@ -64,7 +65,11 @@ class ShardedView:
     def counts(self, t: Tensor) -> bool:
         """Whether this rank's values of ``t`` take part in global sums and selections."""
         if pd.is_distributed_tensor(t):
-            return pd.counts_locally(t)
+            key = tuple(t.placements)
+            got = self._counts.get(key)
+            if got is None:
+                got = self._counts[key] = pd.counts_locally(t)
+            return got
         return self._plain_counts
 
     def numel(self, t: Tensor) -> int:
