@@ -66,7 +66,10 @@ class ShardedView:
         """Whether this rank's values of ``t`` take part in global sums and selections."""
         if pd.is_distributed_tensor(t):
             key = tuple(t.placements)
-            got = self._counts.get(key)
+            try:
+                got = self._counts.get(key)
+            except TypeError:  # (a placement that cannot be hashed: asked each time)
+                return pd.counts_locally(t)
             if got is None:
                 got = self._counts[key] = pd.counts_locally(t)
             return got

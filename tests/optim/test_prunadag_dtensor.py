@@ -111,3 +111,28 @@ def test_op_selection_float_threshold_must_be_a_float_value():
     with pytest.raises(ValueError, match="value of the params' dtype"):
         torch.ops.prunopt.prunadag_step_(xs, so, sd, gs, hyper, 2, 3, None,
                                          torch.tensor([0.1, 1.0], dtype=torch.float64))
+
+
+def test_sharded_view_counts_each_placement_once_per_view(one_rank_group, monkeypatch):
+    """ShardedView.counts asks prunopt.distributed.counts_locally once per
+    placement in a view (a step builds one view) and answers per placement:
+    a Partial DTensor still raises ValueError, every time."""
+    import prunopt.distributed as pd
+    from prunopt.optim._sharded import ShardedView
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    tensors = [DTensor.from_local(torch.zeros(2, 3), mesh, [pl]) for pl in (Shard(0), Replicate(), Shard(1), Shard(0))]
+    asked = []
+    answers = {Shard(0): True, Replicate(): False, Shard(1): True}  # (a stand-in answer per placement)
+    monkeypatch.setattr(pd, "counts_locally", lambda t: asked.append(t.placements[0]) or answers[t.placements[0]])
+    view = ShardedView(tensors)
+    assert [view.counts(t) for t in tensors + tensors] == [True, False, True, True] * 2
+    assert asked == [Shard(0), Replicate(), Shard(1)]
+    assert view.counts(torch.zeros(3)) is True  # a plain tensor beside them: replicated, counted at coordinate 0
+    monkeypatch.undo()
+    partial = DTensor.from_local(torch.zeros(2), mesh, [Partial()])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Partial"):
+            view.counts(partial)
