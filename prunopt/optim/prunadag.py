@@ -170,7 +170,9 @@ class _Scope:
         self.hypers: List[TensorHyper] = []
         self.relevant = 1.0
         self.version = 3
-        self.hyper: Optional[Tensor] = None  # the fused op's rows (_hyper_tensor), once a step has built them
+        # the fused op's rows (_hyper_tensor) once a step has built them (a scope
+        # lives for one step: its counters and hyper-parameters do not change)
+        self.hyper: Optional[Tensor] = None
 
     def n(self) -> int:
         return sum(p.numel() for p, h in zip(self.params, self.hypers) if h.prune)
