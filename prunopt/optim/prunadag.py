@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -386,18 +386,15 @@ def _fused_scope(s: _Scope, T: int, found_nonfinite: Optional[Tensor] = None,
         tau, ratio = selection[:2]
         dev = s.params[0].device
         checked = len(selection) > 2 and selection[2]
-        if dev.type != "cuda" and (tau is None or not tau.is_cuda) and not ratio.is_cuda:
-            # (on the host: one small tensor, no per-part ops)
-            sel = torch.tensor([0.0 if tau is None else float(tau), float(ratio)] + ([1.0] if checked else []),
-                               dtype=torch.float64)
-        else:
+        if dev.type == "cuda":  # (on the device: no host read)
             tau = torch.zeros((), dtype=torch.float64, device=dev) if tau is None else tau.to(dev, torch.float64)
             parts = [tau.reshape(()), ratio.to(dev, torch.float64).reshape(())]
             if checked:
                 parts.append(torch.ones((), dtype=torch.float64, device=dev))
             sel = torch.stack(parts)
-            if dev.type != "cuda":
-                sel = sel.cpu()
+        else:  # (the kernels take it on the host: one small tensor)
+            sel = torch.tensor([0.0 if tau is None else float(tau), float(ratio)] + ([1.0] if checked else []),
+                               dtype=torch.float64)
     hyper = s.hyper if s.hyper is not None else _hyper_tensor(s)
     torch.ops.prunopt.prunadag_step_(
         s.params, s.opt_sums, s.dec_sums, s.grads, hyper, T,  # the kernels make grads contiguous
@@ -526,6 +523,20 @@ _NONFINITE = object()
 _XMIN = {torch.float32: 2.0 ** -60, torch.float64: 2.0 ** -500}
 
 
+def _masked_sums(c: np.ndarray, up: np.ndarray, m: np.ndarray, down: np.ndarray) -> Tuple[float, float]:
+    """``(sum c^2 where up, sum m where down)`` in float64 (numpy's pairwise
+    sums: one order on every rank and run). The sums multiply by the masks
+    instead of selecting with them: the masked values lie in no order, so a
+    selection mispredicts a branch per value (2.5-4x slower); an overflowed
+    square (inf) times a 0 of its mask is NaN, and then they select."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        c2 = np.square(c.astype(np.float64, copy=False))
+        a, b = float(np.multiply(c2, up).sum()), float(np.multiply(m, down).sum())
+    if not math.isfinite(a + b):
+        a, b = float(np.where(up, c2, 0.0).sum()), float(np.where(down, m, 0.0).sum())
+    return a, b
+
+
 def _window_entries(dtype: torch.dtype, slots: int) -> int:
     """The candidates a rank's window of ``slots`` int64 slots holds (see
     :meth:`_FusedShare.window`): two slots for the sums, then one per float32
@@ -622,21 +633,14 @@ class _FusedShare:
         ``< lo`` (float64, numpy's pairwise sums: one order on every run),
         the candidates' bit patterns (of ``|ge|``: ``-0.0`` is ``0.0``) and
         ``m`` as numpy arrays, and the indices of those in ``[lo, end)``.
-        (The sums multiply by the masks instead of selecting with them: about
-        half the candidates lie on either side, in no order, so a selection
-        mispredicts a branch per candidate, ~4x slower.)"""
+        (The sums: :func:`_masked_sums`.)"""
         from prunopt import distributed as D
 
         keys, m = self.own.inside.numpy(), self.own.more[2].numpy()
         spec = D._RADIX[self.dtype]
         bits = keys.view(np.int32 if self.dtype == torch.float32 else np.int64) & ((1 << spec.nbits) - 1)
         up, down = bits >= end, bits < lo
-        with np.errstate(over="ignore", invalid="ignore"):  # (float64 squares may overflow: handled below)
-            c2 = np.square(keys.astype(np.float64))
-            g_up = float(np.multiply(c2, up).sum())
-            x_down = float(np.multiply(m, down).sum())
-        if not math.isfinite(g_up + x_down):  # (an overflowed square, inf, times a 0 of the mask is NaN)
-            g_up, x_down = float(np.where(up, c2, 0.0).sum()), float(np.where(down, m, 0.0).sum())
+        g_up, x_down = _masked_sums(keys, up, m, down)
         return int(np.count_nonzero(up)), g_up, x_down, bits, m, np.flatnonzero(~(up | down))
 
     def candidates(self, lo_bits: int, hi_bits: int):
@@ -692,14 +696,7 @@ def _window_select(vec: Tensor, world: int, T: int, dtype: torch.dtype):
         return None
     cv = c.astype(np.int32).view(np.float32).astype(np.float64) if dtype == torch.float32 else c.view(np.float64)
     ge = c >= t
-    # (the sums multiply by the masks instead of selecting with them, as
-    # _FusedShare._split does: ~2.5x faster on a window of random order)
-    with np.errstate(over="ignore", invalid="ignore"):
-        c2 = np.square(cv)
-        above = float(np.multiply(c2, ge).sum())
-        below = float(np.multiply(mm, ~ge).sum())
-    if not math.isfinite(above + below):  # (an overflowed square, inf, times a 0 of the mask is NaN)
-        above, below = float(np.where(ge, c2, 0.0).sum()), float(np.where(ge, 0.0, mm).sum())
+    above, below = _masked_sums(cv, ge, mm, ~ge)
     g_r2 = math.fsum(sums[:, 0].tolist()) + above
     x_m2 = math.fsum(sums[:, 1].tolist()) + below
     return torch.tensor(t, dtype=D._RADIX[dtype].int_dtype).view(dtype), g_r2, x_m2
@@ -792,8 +789,8 @@ def _fused_select(loc: _Scope, counted: List[bool], T: int, group=None):
     return tau, (g_r2, x_m2)
 
 
-def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: Optional[Tensor] = None,
-                        locs: Optional[List[_Scope]] = None) -> None:
+def _run_scopes_sharded(scopes: List[_Scope], locs: List[_Scope], impl: str, view,
+                        found_nonfinite: Optional[Tensor] = None) -> None:
     """One step over scopes whose parameters are sharded (FSDP2 DTensors): the
     threshold ``tau`` of each scope is selected over its logical tensors on
     every rank (exact, as :func:`prunopt.distributed.topk_threshold`), the
@@ -806,9 +803,7 @@ def _run_scopes_sharded(scopes: List[_Scope], impl: str, view, found_nonfinite: 
 
     Non-finite gradients on any rank: every rank raises ``ValueError`` (or,
     with ``found_nonfinite``, sets it to 1) before anything is written.
-    ``locs``: the scopes' :func:`_local_scope` when the caller has them."""
-    if locs is None:
-        locs = [_local_scope(s, view) for s in scopes]
+    ``locs``: the scopes' :func:`_local_scope`."""
     counted = [[view.counts(p) for p in s.params] for s in scopes]
 
     def nonfinite() -> None:
@@ -1282,7 +1277,7 @@ class PrunAdag(torch.optim.Optimizer):
                     flag = self.found_nonfinite = self._new_flag(local[0].device)
                 else:
                     flag.zero_()
-            _run_scopes_sharded(scopes, impl, view, flag, locs)
+            _run_scopes_sharded(scopes, locs, impl, view, flag)
             return loss
         impl = _choose_impl(tensors, group0["foreach"], group0["fused"])
         flag = None
